@@ -1,0 +1,516 @@
+"""Depth-first training and scoring of a causal LM over a prefix forest.
+
+Each node is forwarded once with the keys/values of its ancestors as leaf tensors that require
+grad. Its descendants run next and add their gradients into those leaves. Then the node is
+backpropagated once with its own loss plus the accumulated key/value gradients, which pass on to
+its ancestors. Only one root-to-leaf path is alive at a time, and every shared token is computed
+once; the parameter gradient equals plain per-sequence autograd (AReaL-DTA, arXiv 2602.00482,
+adds the same K/V-gradient accumulation to a DFS over a prefix tree).
+
+Modes:
+    keep: a node's graph stays alive while its subtree runs (one forward per token).
+    replay: nodes run without grad on the way down and are re-forwarded with grad on the way up;
+        long nodes are cut into ``block_size`` blocks, so activation memory is one block's.
+    packed: the whole forest as one sequence with a tree attention mask; attention-only models.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .models import ModelAdapter, NodeKV, UnsupportedModelError
+from .tree import PrefixForest
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ExecNode", "ScoreResult", "TreeExecutor", "CoefficientFn"]
+
+# (entry_ids [E], logprobs [E], entropies [E] or None) -> (d loss/d logprob [E], d loss/d entropy [E] or None)
+CoefficientFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]
+]
+
+_MODES = ("keep", "replay", "packed")
+
+
+@dataclass(eq=False)
+class ExecNode:
+    """A unit of execution: a forest node, or one block of it in replay mode.
+
+    Attributes:
+        tokens: ``[n]`` token ids.
+        start: absolute position of the first token.
+        parent: index of the parent unit, -1 for a root.
+        children: indices of the child units.
+        rows: ``[R]`` sorted offsets whose hidden states feed the LM head.
+        entry_row: ``[E]`` index into ``rows`` per entry (non-decreasing).
+        entry_ids: ``[E]`` global entry ids.
+        entry_target: ``[E]`` target tokens.
+    """
+
+    tokens: torch.Tensor
+    start: int
+    parent: int
+    children: list[int] = field(default_factory=list)
+    rows: torch.Tensor = None  # type: ignore[assignment]
+    entry_row: torch.Tensor = None  # type: ignore[assignment]
+    entry_ids: torch.Tensor = None  # type: ignore[assignment]
+    entry_target: torch.Tensor = None  # type: ignore[assignment]
+
+
+def plan(forest: PrefixForest, block_size: int | None = None) -> tuple[list[ExecNode], list[int]]:
+    """Cut forest nodes into execution units of at most ``block_size`` tokens.
+
+    Returns:
+        The units in depth-first pre-order, and the indices of the roots.
+    """
+    units: list[ExecNode] = []
+    last_unit: dict[int, int] = {}
+    roots: list[int] = []
+    for node in forest.nodes:
+        n = len(node.tokens)
+        bs = n if block_size is None else block_size
+        # Absolute row offset of every entry inside the node.
+        entry_rows_abs = node.rows[node.entry_row] if node.num_entries else torch.zeros(0, dtype=torch.long)
+        entry_ids = torch.arange(node.entry_offset, node.entry_offset + node.num_entries)
+        parent = last_unit[node.parent] if node.parent >= 0 else -1
+        for b0 in range(0, n, bs):
+            b1 = min(b0 + bs, n)
+            lo = int(torch.searchsorted(entry_rows_abs, b0))
+            hi = int(torch.searchsorted(entry_rows_abs, b1))
+            rows_abs = entry_rows_abs[lo:hi]
+            rows, inverse = torch.unique(rows_abs, sorted=True, return_inverse=True)
+            unit = ExecNode(
+                tokens=node.tokens[b0:b1],
+                start=node.start + b0,
+                parent=parent,
+                rows=rows - b0,
+                entry_row=inverse.reshape(-1),
+                entry_ids=entry_ids[lo:hi],
+                entry_target=node.entry_target[lo:hi],
+            )
+            idx = len(units)
+            units.append(unit)
+            if parent >= 0:
+                units[parent].children.append(idx)
+            else:
+                roots.append(idx)
+            parent = idx
+        last_unit[node.index] = parent
+    return units, roots
+
+
+@dataclass
+class ScoreResult:
+    """Per-sequence results of a pass over a forest.
+
+    Attributes:
+        logprobs: one ``[len_i - score_from_i]`` tensor per sequence.
+        entropies: same shapes, or None when not asked for.
+        entry_logprobs: ``[num_entries]`` the same values per distinct scored token.
+        entry_entropies: ``[num_entries]`` or None.
+    """
+
+    logprobs: list[torch.Tensor]
+    entropies: list[torch.Tensor] | None
+    entry_logprobs: torch.Tensor
+    entry_entropies: torch.Tensor | None
+
+
+@dataclass
+class _Frame:
+    """What a unit keeps between going down (enter) and coming back up (exit)."""
+
+    hidden_rows: torch.Tensor | None = None  # [R, hidden] in the unit's graph (keep mode)
+    hidden_grad: torch.Tensor | None = None  # [R, hidden] gradient from the LM head
+    kv: NodeKV | None = None  # the unit's own keys/values (in graph in keep mode)
+    leaves: NodeKV | None = None  # detached copies handed to descendants
+    rng: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # RNG state before the first forward
+
+
+class TreeExecutor:
+    """Runs a causal LM over a :class:`PrefixForest`, scoring and backpropagating each token once.
+
+    Args:
+        model: a transformers ``*ForCausalLM`` (optionally PEFT-wrapped) whose decoder accepts a
+            cache built from tensors (Llama, Qwen2/3, Mistral, Gemma families; MHA, GQA, MQA).
+        mode: ``"keep"``, ``"replay"`` or ``"packed"`` (module docstring).
+        block_size: replay mode: the longest span forwarded at once (None: whole nodes). Also
+            bounds the no-grad forward of ``score`` in every non-packed mode.
+        temperature: logits are divided by it before the softmax, as the host samples.
+        head_chunk_elems: at most this many logits (rows x vocab) exist at once.
+
+    Raises:
+        UnsupportedModelError: for models it cannot run in this mode, naming the alternative.
+        ValueError: on a bad mode, block size or temperature.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mode: str = "keep",
+        block_size: int | None = None,
+        temperature: float = 1.0,
+        head_chunk_elems: int = 1 << 25,
+    ) -> None:
+        if mode not in _MODES:
+            raise ValueError(f"mode={mode!r} is not one of {_MODES}")
+        if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
+            raise ValueError(f"block_size={block_size!r} must be a positive integer or None")
+        if not (isinstance(temperature, (int, float)) and temperature > 0 and math.isfinite(temperature)):
+            raise ValueError(f"temperature={temperature!r} must be a positive finite number")
+        self.adapter = ModelAdapter(model)
+        self.model = model
+        self.mode = mode
+        self.block_size = block_size
+        self.temperature = float(temperature)
+        self.head_chunk_elems = head_chunk_elems
+        if mode == "packed":
+            self._check_packed()
+        self._warned_checkpointing = False
+
+    # ------------------------------------------------------------------ public API
+    @torch.no_grad()
+    def score(self, forest: PrefixForest, entropy: bool = False) -> ScoreResult:
+        """Log-probs (and entropies) of every scored token, without grad.
+
+        Args:
+            forest: the batch.
+            entropy: also return the entropy of each predicting distribution.
+
+        Returns:
+            :class:`ScoreResult`, one ``[len_i - score_from_i]`` tensor per sequence.
+        """
+        lp, ent = self._run(forest, grad=False, entropy=entropy, coef=None)
+        return self._result(forest, lp, ent)
+
+    def backward(
+        self,
+        forest: PrefixForest,
+        grad_logprobs: Sequence[torch.Tensor] | None = None,
+        grad_entropies: Sequence[torch.Tensor] | None = None,
+        coefficient_fn: CoefficientFn | None = None,
+        entropy: bool = False,
+    ) -> ScoreResult:
+        """Accumulate into ``param.grad`` the gradient of a linear functional of the log-probs.
+
+        The functional is ``sum_i sum_t grad_logprobs[i][t] * logprob_i[t]`` (plus the same with
+        entropies), computed exactly as plain per-sequence autograd would; coefficients of a token
+        owned by several sequences are summed on its entry. Alternatively ``coefficient_fn``
+        forms each entry's coefficients from its own log-prob during the pass (token-local
+        objectives, see :mod:`forkrl.core.objective`), so no separate scoring pass is needed.
+
+        Args:
+            forest: the batch.
+            grad_logprobs: one ``[len_i - score_from_i]`` tensor per sequence.
+            grad_entropies: same shapes, or None.
+            coefficient_fn: instead of the two above, ``(entry_ids, logprobs, entropies) ->
+                (coef_logprobs, coef_entropies)``, evaluated per chunk of entries.
+            entropy: pass entropies to ``coefficient_fn`` (implied by ``grad_entropies``).
+
+        Returns:
+            The detached log-probs (and entropies) the pass computed.
+        """
+        if (grad_logprobs is None) == (coefficient_fn is None):
+            raise ValueError("give exactly one of grad_logprobs or coefficient_fn")
+        if coefficient_fn is None:
+            coef_lp = forest.scatter_add([torch.as_tensor(g) for g in grad_logprobs]).to(self._dtype)
+            coef_ent = None
+            if grad_entropies is not None:
+                coef_ent = forest.scatter_add([torch.as_tensor(g) for g in grad_entropies]).to(self._dtype)
+            for name, c in (("grad_logprobs", coef_lp), ("grad_entropies", coef_ent)):
+                if c is not None and not torch.isfinite(c).all():
+                    raise ValueError(
+                        f"{name} contains NaN or inf (e.g. a NaN advantage): fix the rewards/advantages before "
+                        "the backward pass; nothing was accumulated"
+                    )
+            coef = _StaticCoefficients(coef_lp, coef_ent)
+            entropy = coef_ent is not None
+        else:
+            coef = coefficient_fn
+        lp, ent = self._run(forest, grad=True, entropy=entropy, coef=coef)
+        return self._result(forest, lp, ent)
+
+    # ------------------------------------------------------------------ internals
+    @property
+    def _dtype(self) -> torch.dtype:
+        dt = self.adapter.head.weight.dtype
+        return dt if dt in (torch.float32, torch.float64) else torch.float32
+
+    @property
+    def _device(self) -> torch.device:
+        return self.adapter.head.weight.device
+
+    def _result(self, forest: PrefixForest, lp: torch.Tensor, ent: torch.Tensor | None) -> ScoreResult:
+        return ScoreResult(
+            logprobs=forest.gather(lp),
+            entropies=forest.gather(ent) if ent is not None else None,
+            entry_logprobs=lp,
+            entry_entropies=ent,
+        )
+
+    def _check_packed(self) -> None:
+        ad = self.adapter
+        if ad.has_state:
+            raise UnsupportedModelError(
+                f"{type(ad.base).__name__} keeps convolution/recurrent state, which a tree attention mask cannot "
+                "route: use mode='keep' or mode='replay'"
+            )
+        if "sliding" in ad.layer_kinds:
+            raise UnsupportedModelError(
+                f"{type(ad.base).__name__} has sliding-window layers; packed mode passes one tree mask to all "
+                "layers: use mode='keep' or mode='replay'"
+            )
+        if ad.attn_implementation not in ("sdpa", "eager", None):
+            raise UnsupportedModelError(
+                f"packed mode needs an attention implementation that accepts a 4D tree mask (sdpa or eager); "
+                f"{type(ad.base).__name__} uses {ad.attn_implementation!r}: use mode='keep'"
+            )
+
+    def _run(
+        self,
+        forest: PrefixForest,
+        grad: bool,
+        entropy: bool,
+        coef: CoefficientFn | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not isinstance(forest, PrefixForest):
+            raise TypeError(f"expected a PrefixForest, got {type(forest).__name__}")
+        lp = torch.zeros(forest.num_entries, dtype=self._dtype, device=self._device)
+        ent = torch.zeros_like(lp) if entropy else None
+        with self.adapter.checkpointing_off() as was_on:
+            if was_on and not self._warned_checkpointing:
+                logger.info(
+                    "gradient checkpointing is on in the model; forkrl turns it off inside tree passes "
+                    "(it would drop the ancestors' cache) -- use mode='replay' for the same memory saving"
+                )
+                self._warned_checkpointing = True
+            if self.mode == "packed":
+                self._run_packed(forest, grad, lp, ent, coef)
+            else:
+                self._run_dfs(forest, grad, lp, ent, coef)
+        return lp, ent
+
+    # ---- depth-first (keep / replay)
+    def _run_dfs(self, forest, grad, lp, ent, coef) -> None:
+        block = self.block_size if (self.mode == "replay" or not grad) else None
+        units, roots = plan(forest, block)
+        replay = grad and self.mode == "replay"
+        save_rng = replay and self.adapter.has_dropout()
+        past: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(self.adapter.num_layers)]
+        past_len = 0
+        frames: dict[int, _Frame] = {}
+        stack: list[tuple[bool, int]] = [(True, r) for r in reversed(roots)]
+        device = self._device
+        while stack:
+            entering, u = stack.pop()
+            unit = units[u]
+            if entering:
+                frame = _Frame()
+                if save_rng:
+                    frame.rng = _get_rng(device)
+                # Keep mode (and scoring) forwards once, on the way down.
+                with torch.set_grad_enabled(grad and not replay):
+                    hidden, kv = self._forward_unit(unit, past, past_len)
+                if grad and not replay:
+                    frame.hidden_rows, frame.hidden_grad = self._head(unit, hidden, lp, ent, coef, grad=True)
+                    frame.kv = kv
+                elif not grad:
+                    self._head(unit, hidden, lp, ent, None, grad=False)
+                del hidden
+                if unit.children:
+                    leaves = NodeKV(
+                        keys=[k.detach().requires_grad_(grad) for k in kv.keys],
+                        values=[v.detach().requires_grad_(grad) for v in kv.values],
+                    )
+                    frame.leaves = leaves
+                    for i in range(self.adapter.num_layers):
+                        past[i].append((leaves.keys[i], leaves.values[i]))
+                    past_len += len(unit.tokens)
+                if not grad:
+                    frame.kv = None
+                frames[u] = frame
+                stack.append((False, u))
+                stack.extend((True, c) for c in reversed(unit.children))
+                continue
+
+            frame = frames.pop(u)
+            if unit.children:
+                for i in range(self.adapter.num_layers):
+                    past[i].pop()
+                past_len -= len(unit.tokens)
+            if not grad:
+                continue
+            if replay:
+                rng_ctx = _restore_rng(frame.rng, device) if frame.rng is not None else contextlib.nullcontext()
+                with rng_ctx:
+                    hidden, kv = self._forward_unit(unit, past, past_len)
+                frame.hidden_rows, frame.hidden_grad = self._head(unit, hidden, lp, ent, coef, grad=True)
+                frame.kv = kv
+                del hidden
+            outputs: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            if frame.hidden_rows is not None:
+                outputs.append(frame.hidden_rows)
+                grads.append(frame.hidden_grad)
+            if frame.leaves is not None:
+                for out, leaf in zip(frame.kv.tensors(), frame.leaves.tensors(), strict=True):
+                    if leaf.grad is not None:
+                        outputs.append(out)
+                        grads.append(leaf.grad)
+            if outputs:
+                torch.autograd.backward(outputs, grads)
+
+    def _forward_unit(self, unit: ExecNode, past, past_len: int) -> tuple[torch.Tensor, NodeKV]:
+        device = self._device
+        ids = unit.tokens.to(device).unsqueeze(0)
+        pos = torch.arange(unit.start, unit.start + len(unit.tokens), device=device).unsqueeze(0)
+        if past_len != unit.start:
+            raise RuntimeError(f"internal: cache holds {past_len} positions but the unit starts at {unit.start}")
+        cache = self.adapter.make_cache(past, past_len)
+        hidden = self.adapter.hidden(ids, pos, cache=cache)
+        return hidden[0], self.adapter.recorded(cache)
+
+    def _head(
+        self,
+        unit: ExecNode,
+        hidden: torch.Tensor,
+        lp: torch.Tensor,
+        ent: torch.Tensor | None,
+        coef: CoefficientFn | None,
+        grad: bool,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """LM head at the unit's scored rows, in chunks; in grad mode, backprop to the rows.
+
+        Args:
+            hidden: ``[n, hidden]`` the unit's final hidden states.
+
+        Returns:
+            In grad mode, the ``[R, hidden]`` rows (in the unit's graph) and their gradient;
+            otherwise (None, None).
+        """
+        if len(unit.rows) == 0:
+            return None, None
+        rows = hidden[unit.rows.to(hidden.device)]
+        return self._head_rows(rows, unit.entry_row, unit.entry_ids, unit.entry_target, lp, ent, coef, grad)
+
+    def _head_rows(self, rows, entry_row, entry_ids, entry_target, lp, ent, coef, grad):
+        device = rows.device
+        entry_row = entry_row.to(device)
+        entry_ids = entry_ids.to(device)
+        entry_target = entry_target.to(device)
+        vocab = self.adapter.head.weight.shape[0]
+        chunk = max(1, self.head_chunk_elems // vocab)
+        src = rows.detach().requires_grad_(True) if grad else rows
+        want_ent = ent is not None
+        r_total = rows.shape[0]
+        for r0 in range(0, r_total, chunk):
+            r1 = min(r0 + chunk, r_total)
+            e0 = int(torch.searchsorted(entry_row, r0))
+            e1 = int(torch.searchsorted(entry_row, r1))
+            if e0 == e1:
+                continue
+            with torch.set_grad_enabled(grad):
+                logp = torch.log_softmax(self.adapter.logits(src[r0:r1], self.temperature), dim=-1)
+                local = entry_row[e0:e1] - r0
+                e_lp = logp[local, entry_target[e0:e1]]
+                e_ent = None
+                if want_ent:
+                    row_ent = -(logp.exp() * logp).sum(-1)
+                    e_ent = row_ent[local]
+            ids = entry_ids[e0:e1]
+            lp[ids] = e_lp.detach().to(lp.dtype)
+            if want_ent:
+                ent[ids] = e_ent.detach().to(ent.dtype)
+            if grad:
+                c_lp, c_ent = coef(ids, e_lp.detach(), e_ent.detach() if e_ent is not None else None)
+                loss = (c_lp.to(e_lp.dtype) * e_lp).sum()
+                if c_ent is not None:
+                    if e_ent is None:
+                        raise ValueError("an entropy coefficient was given but entropies were not computed")
+                    loss = loss + (c_ent.to(e_ent.dtype) * e_ent).sum()
+                if loss.requires_grad:
+                    loss.backward()
+        if not grad:
+            return None, None
+        g = src.grad if src.grad is not None else torch.zeros_like(src)
+        return rows, g
+
+    # ---- packed (tree attention mask)
+    def _run_packed(self, forest, grad, lp, ent, coef) -> None:
+        device = self._device
+        nodes = forest.nodes
+        offsets = [0]
+        for n in nodes:
+            offsets.append(offsets[-1] + len(n.tokens))
+        total = offsets[-1]
+        ids = torch.cat([n.tokens for n in nodes]).to(device).unsqueeze(0)
+        pos = torch.cat([torch.arange(n.start, n.end) for n in nodes]).to(device).unsqueeze(0)
+        mask = torch.zeros(total, total, dtype=torch.bool, device=device)
+        for n in nodes:
+            a0, a1 = offsets[n.index], offsets[n.index + 1]
+            mask[a0:a1, a0:a1] = torch.ones(a1 - a0, a1 - a0, dtype=torch.bool, device=device).tril()
+            p = n.parent
+            while p >= 0:
+                mask[a0:a1, offsets[p] : offsets[p + 1]] = True
+                p = nodes[p].parent
+        dtype = self.adapter.head.weight.dtype
+        if self.adapter.attn_implementation == "eager":
+            attn = torch.zeros(total, total, dtype=dtype, device=device)
+            attn.masked_fill_(~mask, torch.finfo(dtype).min)
+        else:
+            attn = mask
+        attn = attn[None, None]
+        rows = torch.cat([n.rows + offsets[n.index] for n in nodes])
+        entry_row_parts, base = [], 0
+        for n in nodes:
+            entry_row_parts.append(n.entry_row + base)
+            base += len(n.rows)
+        entry_row = torch.cat(entry_row_parts)
+        entry_ids = torch.arange(forest.num_entries)
+        entry_target = torch.cat([n.entry_target for n in nodes])
+        with torch.set_grad_enabled(grad):
+            hidden = self.adapter.hidden(ids, pos, cache=None, attention_mask=attn)[0]
+            h_rows = hidden[rows.to(device)]
+        out_rows, g = self._head_rows(h_rows, entry_row, entry_ids, entry_target, lp, ent, coef, grad)
+        if grad and out_rows is not None:
+            torch.autograd.backward([out_rows], [g])
+
+
+class _StaticCoefficients:
+    """Coefficients known before the pass: ``[num_entries]`` tensors indexed by entry id."""
+
+    def __init__(self, coef_lp: torch.Tensor, coef_ent: torch.Tensor | None) -> None:
+        self.coef_lp = coef_lp
+        self.coef_ent = coef_ent
+
+    def __call__(self, ids, logprobs, entropies):
+        c_lp = self.coef_lp.to(ids.device)[ids]
+        c_ent = self.coef_ent.to(ids.device)[ids] if self.coef_ent is not None else None
+        return c_lp, c_ent
+
+
+def _get_rng(device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    cpu = torch.get_rng_state()
+    acc = [torch.cuda.get_rng_state(device)] if device.type == "cuda" else []
+    return cpu, acc
+
+
+@contextlib.contextmanager
+def _restore_rng(state, device: torch.device):
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(state[0])
+        if state[1]:
+            torch.cuda.set_rng_state(state[1][0], device)
+        yield
+
+
+__all__ += ["plan", "UnsupportedModelError"]

@@ -1,0 +1,384 @@
+"""Prefix forests: a batch of token sequences stored as a compressed trie.
+
+Sequences that share a prefix share the nodes that hold it, so a GRPO group (one prompt, G
+completions) becomes a two-level tree, multi-turn trajectories become deeper trees, and groups
+sharing a system prompt join under one root. Each shared token is stored, and later computed, once.
+
+A scored token at position ``t`` of a sequence contributes ``log p(x_t | x_<t)``. It is predicted
+from the hidden state at ``t - 1``, which may live in the parent node when ``t`` is the first
+token of a node; the forest records every such prediction as an *entry* ``(node, row, target)``,
+so the executor forms logits only at the rows that some sequence scores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+__all__ = ["PrefixForest", "TreeNode"]
+
+
+@dataclass(eq=False)
+class TreeNode:
+    """One maximal shared span of tokens.
+
+    Attributes:
+        index: position of the node in ``PrefixForest.nodes`` (parents come before children).
+        tokens: ``[length]`` int64 token ids of the span.
+        start: absolute position of the span's first token in every sequence that passes through it.
+        parent: index of the parent node, or -1 for a root.
+        children: indices of the child nodes, sorted by their first token.
+        owners: sequences whose last token is the last token of this node.
+        rows: ``[num_rows]`` sorted offsets (into ``tokens``) whose hidden state some entry reads.
+        entry_row: ``[num_entries]`` index into ``rows`` for each entry of the node.
+        entry_target: ``[num_entries]`` token each entry scores.
+        entry_offset: global index of the node's first entry (entries of a node are contiguous).
+    """
+
+    index: int
+    tokens: torch.Tensor
+    start: int
+    parent: int
+    children: list[int] = field(default_factory=list)
+    owners: list[int] = field(default_factory=list)
+    rows: torch.Tensor | None = None
+    entry_row: torch.Tensor | None = None
+    entry_target: torch.Tensor | None = None
+    entry_offset: int = 0
+
+    @property
+    def end(self) -> int:
+        """Absolute position one past the span's last token."""
+        return self.start + len(self.tokens)
+
+    @property
+    def num_entries(self) -> int:
+        return 0 if self.entry_target is None else len(self.entry_target)
+
+
+def _as_token_array(seq: Sequence[int] | torch.Tensor | np.ndarray, i: int) -> np.ndarray:
+    if isinstance(seq, torch.Tensor):
+        if seq.dim() != 1:
+            raise ValueError(f"sequence {i}: expected a 1-D token tensor, got shape {tuple(seq.shape)}")
+        if seq.is_floating_point() or seq.is_complex() or seq.dtype == torch.bool:
+            raise ValueError(f"sequence {i}: tokens must be integers, got dtype {seq.dtype}")
+        arr = seq.detach().cpu().numpy().astype(np.int64, copy=False)
+    else:
+        arr = np.asarray(seq)
+        if arr.ndim != 1:
+            raise ValueError(f"sequence {i}: expected a flat list of token ids, got shape {arr.shape}")
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"sequence {i}: tokens must be integers, got {arr.dtype} values")
+        arr = arr.astype(np.int64, copy=False)
+    if arr.size == 0:
+        raise ValueError(f"sequence {i} is empty: every sequence needs at least one context token and one scored token")
+    if (arr < 0).any():
+        bad = int(arr[arr < 0][0])
+        raise ValueError(f"sequence {i}: token ids must be >= 0, found {bad}")
+    return arr
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+class PrefixForest:
+    """A batch of sequences as a compressed trie, with the maps between sequences and node tokens.
+
+    Build with :meth:`build`. ``nodes`` are in depth-first pre-order (a parent before its
+    children, a subtree contiguous), so walking them in order is a valid depth-first schedule.
+
+    Attributes:
+        nodes: the trie nodes.
+        roots: indices of the root nodes.
+        lengths: ``[num_sequences]`` sequence lengths.
+        score_from: ``[num_sequences]`` index of each sequence's first scored token.
+        paths: for each sequence, the node indices from its root to its last node.
+        seq_entries: for each sequence, ``[len - score_from]`` int64 global entry index of each
+            scored token, in order. Several sequences may point to one entry (shared tokens).
+        num_entries: number of distinct scored (prediction, target) pairs.
+    """
+
+    def __init__(self) -> None:
+        self.nodes: list[TreeNode] = []
+        self.roots: list[int] = []
+        self.lengths: list[int] = []
+        self.score_from: list[int] = []
+        self.paths: list[list[int]] = []
+        self.seq_entries: list[torch.Tensor] = []
+        self.num_entries: int = 0
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def build(
+        cls,
+        sequences: Sequence[Sequence[int] | torch.Tensor],
+        score_from: Sequence[int] | torch.Tensor,
+    ) -> PrefixForest:
+        """Build the forest of ``sequences``.
+
+        Args:
+            sequences: token sequences, each a list of ints or a 1-D integer tensor.
+            score_from: ``[num_sequences]``; ``score_from[i]`` is the index of sequence i's first
+                scored token, ``1 <= score_from[i] <= len(sequences[i])`` (equal to the length
+                means the sequence scores nothing but still shares its prefix).
+
+        Returns:
+            The forest.
+
+        Raises:
+            ValueError: on an empty batch or sequence, a non-integer or negative token, or a
+                ``score_from`` out of range; the message names the sequence index.
+        """
+        if len(sequences) == 0:
+            raise ValueError("PrefixForest.build needs at least one sequence, got an empty batch")
+        if isinstance(score_from, torch.Tensor):
+            score_from = score_from.tolist()
+        score_from = list(score_from)
+        if len(score_from) != len(sequences):
+            raise ValueError(
+                f"score_from has {len(score_from)} entries but there are {len(sequences)} sequences: give one "
+                "completion start per sequence"
+            )
+        arrays = [_as_token_array(s, i) for i, s in enumerate(sequences)]
+        lengths = [len(a) for a in arrays]
+        for i, (sf, n) in enumerate(zip(score_from, lengths, strict=True)):
+            if isinstance(sf, bool) or not isinstance(sf, (int, np.integer)):
+                raise ValueError(f"score_from[{i}] must be an integer, got {sf!r}")
+            if not 1 <= sf <= n:
+                raise ValueError(
+                    f"score_from[{i}] = {sf} is out of range for sequence {i} of length {n}: it must satisfy "
+                    f"1 <= score_from <= length (token 0 has no context to be predicted from)"
+                )
+
+        forest = cls()
+        forest.lengths = lengths
+        forest.score_from = [int(s) for s in score_from]
+        order = sorted(range(len(arrays)), key=lambda i: arrays[i].tolist())
+        # lcp[k] = common prefix length of sorted neighbours k-1 and k.
+        lcp = [0] + [_common_prefix(arrays[order[k - 1]], arrays[order[k]]) for k in range(1, len(order))]
+        forest._build_nodes(arrays, order, lcp)
+        forest._build_entries(arrays)
+        return forest
+
+    def _build_nodes(self, arrays: list[np.ndarray], order: list[int], lcp: list[int]) -> None:
+        # Explicit stack: (parent node, sorted range [a, b), depth already covered by ancestors).
+        # Ranges are pushed in reverse so nodes come out in depth-first pre-order.
+        stack: list[tuple[int, int, int, int]] = [(-1, 0, len(order), 0)]
+        while stack:
+            parent, a, b, depth = stack.pop()
+            runs: list[tuple[int, int]] = []
+            i = a
+            while i < b:
+                j = i + 1
+                while j < b and lcp[j] > depth:
+                    j += 1
+                runs.append((i, j))
+                i = j
+            pending = []
+            for i, j in runs:
+                end = min(lcp[i + 1 : j]) if j - i > 1 else len(arrays[order[i]])
+                rep = arrays[order[i]]
+                node = TreeNode(
+                    index=len(self.nodes),
+                    tokens=torch.from_numpy(rep[depth:end].copy()),
+                    start=depth,
+                    parent=parent,
+                )
+                self.nodes.append(node)
+                if parent < 0:
+                    self.roots.append(node.index)
+                else:
+                    self.nodes[parent].children.append(node.index)
+                k = i
+                # Sorted order puts sequences that end here (prefixes of the others) first.
+                while k < j and len(arrays[order[k]]) == end:
+                    node.owners.append(order[k])
+                    k += 1
+                if k < j:
+                    pending.append((node.index, k, j, end))
+            # Visit children of this level depth-first, first run first.
+            stack.extend(reversed(pending))
+        self._reorder_preorder()
+        self.paths = [[] for _ in arrays]
+        for node in self.nodes:
+            for s in node.owners:
+                path = []
+                n = node.index
+                while n >= 0:
+                    path.append(n)
+                    n = self.nodes[n].parent
+                self.paths[s] = path[::-1]
+
+    def _reorder_preorder(self) -> None:
+        # The stack visits a node's siblings before its children's subtrees are finished, so the
+        # creation order is not pre-order; renumber so that every subtree is contiguous.
+        new_order: list[int] = []
+        walk = list(reversed(self.roots))
+        while walk:
+            n = walk.pop()
+            new_order.append(n)
+            walk.extend(reversed(self.nodes[n].children))
+        remap = {old: new for new, old in enumerate(new_order)}
+        nodes = [self.nodes[old] for old in new_order]
+        for node in nodes:
+            node.index = remap[node.index]
+            node.parent = remap[node.parent] if node.parent >= 0 else -1
+            node.children = [remap[c] for c in node.children]
+        self.nodes = nodes
+        self.roots = [remap[r] for r in self.roots]
+
+    def _build_entries(self, arrays: list[np.ndarray]) -> None:
+        # The earliest score_from among the sequences below each node decides which of the
+        # node's tokens are scored by anyone.
+        min_score = [np.iinfo(np.int64).max] * len(self.nodes)
+        for node in reversed(self.nodes):  # children before parents
+            m = min((self.score_from[s] for s in node.owners), default=min_score[node.index])
+            for c in node.children:
+                m = min(m, min_score[c])
+            min_score[node.index] = m
+
+        offset = 0
+        for node in self.nodes:
+            rows: list[int] = []
+            targets: list[int] = []
+            length = len(node.tokens)
+            # Tokens inside the node: target at offset o is predicted from row o - 1.
+            first = max(1, min_score[node.index] - node.start)
+            for o in range(first, length):
+                rows.append(o - 1)
+                targets.append(int(node.tokens[o]))
+            # First token of each child is predicted from this node's last row.
+            for c in node.children:
+                child = self.nodes[c]
+                if min_score[c] <= child.start:
+                    rows.append(length - 1)
+                    targets.append(int(child.tokens[0]))
+            node.entry_offset = offset
+            uniq = sorted(set(rows))
+            pos = {r: k for k, r in enumerate(uniq)}
+            node.rows = torch.tensor(uniq, dtype=torch.long)
+            node.entry_row = torch.tensor([pos[r] for r in rows], dtype=torch.long)
+            node.entry_target = torch.tensor(targets, dtype=torch.long)
+            offset += len(targets)
+        self.num_entries = offset
+
+        # Per sequence, the global entry of each scored token. Entry order inside a node is:
+        # in-node targets by offset, then child-first targets in child order.
+        child_slot: dict[int, int] = {}
+        for node in self.nodes:
+            n_in = len(node.entry_target) - sum(
+                1 for c in node.children if min_score[c] <= self.nodes[c].start
+            )
+            k = 0
+            for c in node.children:
+                if min_score[c] <= self.nodes[c].start:
+                    child_slot[c] = node.entry_offset + n_in + k
+                    k += 1
+        first_in = {
+            node.index: max(1, min_score[node.index] - node.start) for node in self.nodes
+        }
+        self.seq_entries = []
+        for s, path in enumerate(self.paths):
+            idx: list[np.ndarray] = []
+            sf = self.score_from[s]
+            for n in path:
+                node = self.nodes[n]
+                lo, hi = max(sf, node.start), node.end
+                if lo >= hi:
+                    continue
+                if lo == node.start:
+                    idx.append(np.array([child_slot[n]], dtype=np.int64))
+                    lo += 1
+                if lo < hi:
+                    # In-node entries start at offset first_in[n]; position p sits at entry p - start - first_in.
+                    base = node.entry_offset - node.start - first_in[n]
+                    idx.append(np.arange(lo + base, hi + base, dtype=np.int64))
+            flat = np.concatenate(idx) if idx else np.zeros(0, dtype=np.int64)
+            self.seq_entries.append(torch.from_numpy(flat))
+
+    # ------------------------------------------------------------------ statistics
+    @property
+    def num_sequences(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def unique_tokens(self) -> int:
+        """Tokens stored in the forest: each shared token counted once."""
+        return sum(len(n.tokens) for n in self.nodes)
+
+    @property
+    def dense_tokens(self) -> int:
+        """Tokens in the batch as independent sequences."""
+        return sum(self.lengths)
+
+    @property
+    def compression(self) -> float:
+        """``dense_tokens / unique_tokens`` (>= 1): how many times fewer tokens the forest computes."""
+        return self.dense_tokens / self.unique_tokens
+
+    @property
+    def scored_tokens(self) -> int:
+        """Scored tokens over all sequences, counting shared ones once per sequence."""
+        return sum(n - s for n, s in zip(self.lengths, self.score_from, strict=True))
+
+    def depth(self) -> int:
+        """Number of nodes on the longest root-to-leaf path."""
+        return max(len(p) for p in self.paths)
+
+    # ------------------------------------------------------------------ mapping
+    def sequence_tokens(self, s: int) -> torch.Tensor:
+        """``[len]`` token ids of sequence ``s``, read back from the nodes."""
+        return torch.cat([self.nodes[n].tokens for n in self.paths[s]])
+
+    def gather(self, entry_values: torch.Tensor) -> list[torch.Tensor]:
+        """Per-entry values to per-sequence tensors.
+
+        Args:
+            entry_values: ``[num_entries, ...]``.
+
+        Returns:
+            One ``[len_i - score_from_i, ...]`` tensor per sequence.
+        """
+        return [entry_values[idx.to(entry_values.device)] for idx in self.seq_entries]
+
+    def scatter_add(self, per_sequence: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Per-sequence values to per-entry sums (the adjoint of :meth:`gather`).
+
+        Args:
+            per_sequence: one ``[len_i - score_from_i]`` tensor per sequence.
+
+        Returns:
+            ``[num_entries]``: for each entry, the sum over the sequences that score it.
+        """
+        if len(per_sequence) != self.num_sequences:
+            raise ValueError(
+                f"expected one tensor per sequence ({self.num_sequences}), got {len(per_sequence)}"
+            )
+        ref = next((t for t in per_sequence if isinstance(t, torch.Tensor)), None)
+        dtype = ref.dtype if ref is not None else torch.float32
+        device = ref.device if ref is not None else torch.device("cpu")
+        out = torch.zeros(self.num_entries, dtype=dtype, device=device)
+        for s, (vals, idx) in enumerate(zip(per_sequence, self.seq_entries, strict=True)):
+            vals = torch.as_tensor(vals, dtype=dtype, device=device)
+            if vals.shape != idx.shape:
+                raise ValueError(
+                    f"sequence {s}: expected {tuple(idx.shape)} values (len - score_from = "
+                    f"{self.lengths[s]} - {self.score_from[s]}), got shape {tuple(vals.shape)}"
+                )
+            out.index_add_(0, idx.to(device), vals)
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"PrefixForest(sequences={self.num_sequences}, nodes={len(self.nodes)}, "
+            f"unique_tokens={self.unique_tokens}, dense_tokens={self.dense_tokens}, "
+            f"compression={self.compression:.2f})"
+        )
