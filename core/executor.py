@@ -326,13 +326,10 @@ class TreeExecutor:
                     self._head(unit, hidden, lp, ent, None, grad=False)
                 del hidden
                 if unit.children:
-                    leaves = NodeKV(
-                        keys=[k.detach().requires_grad_(grad) for k in kv.keys],
-                        values=[v.detach().requires_grad_(grad) for v in kv.values],
-                    )
+                    leaves = kv.detached(requires_grad=grad)
                     frame.leaves = leaves
                     for i in range(self.adapter.num_layers):
-                        past[i].append((leaves.keys[i], leaves.values[i]))
+                        past[i].append(leaves.layers[i])
                     past_len += len(unit.tokens)
                 if not grad:
                     frame.kv = None

@@ -16,14 +16,21 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import (
+    DynamicCache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionLayer,
+)
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ModelAdapter", "NodeKV", "UnsupportedModelError"]
 
-# Past key/value of one layer: ([1, kv_heads, ctx, head_dim], same) pieces, one per ancestor node.
-LayerPast = list[tuple[torch.Tensor, torch.Tensor]]
+# What the ancestors left in one layer, one tuple per ancestor: attention layers ([1, kv_heads, n,
+# head_dim] keys, values) pieces that concatenate; state layers (conv [1, C, k], recurrent or absent)
+# of which only the nearest ancestor's counts.
+LayerPast = list[tuple[torch.Tensor, ...]]
 
 
 class UnsupportedModelError(ValueError):
@@ -52,15 +59,70 @@ class _RecordingSlidingLayer(DynamicSlidingWindowLayer):
         return super().update(key_states, value_states, *args, **kwargs)
 
 
+class _RecordingStateLayer(LinearAttentionLayer):
+    """Conv/recurrent-state layer whose updates are out of place and recorded.
+
+    transformers updates these states in place (``copy_``, and a fused single-token conv step),
+    which breaks autograd through a state restored from a leaf tensor. Recording the past makes
+    the model take its out-of-place multi-token path for every length; the recurrent state is
+    assigned instead of copied.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(number_of_states=1)
+        self.record_past = True
+        self.new_conv: torch.Tensor | None = None
+        self.new_recurrent: torch.Tensor | None = None
+        self.kernel: int | None = None
+
+    def set_past(self, conv: torch.Tensor, recurrent: torch.Tensor | None) -> None:
+        self.device, self.dtype = conv.device, conv.dtype
+        self.conv_states[0] = conv
+        self.is_conv_states_initialized[0] = True
+        self.has_previous_state[0] = True
+        if recurrent is not None:
+            self.recurrent_states[0] = recurrent
+            self.is_recurrent_states_initialized[0] = True
+
+    def update_conv_state(self, conv_states, state_idx=0, conv_kernel_size=None, **kwargs):  # noqa: D102
+        if state_idx != 0:
+            raise UnsupportedModelError("forkrl supports one conv state per layer")
+        if self.device is None:
+            self.device, self.dtype = conv_states.device, conv_states.dtype
+        if conv_kernel_size is not None:
+            self.kernel = conv_kernel_size
+        if self.has_previous_state[0]:
+            full = torch.cat([self.conv_states[0], conv_states], dim=-1)
+        else:
+            full = conv_states
+        self.conv_states[0] = full
+        self.is_conv_states_initialized[0] = True
+        self.has_previous_state[0] = True
+        # The next node needs only the last kernel-size inputs (fewer when the path is shorter:
+        # the conv zero-pads the rest, as it does at the start of a sequence).
+        self.new_conv = full if self.kernel is None else full[..., -self.kernel :]
+        return full
+
+    def update_recurrent_state(self, recurrent_states, state_idx=0, **kwargs):  # noqa: D102
+        self.recurrent_states[0] = recurrent_states
+        self.is_recurrent_states_initialized[0] = True
+        self.new_recurrent = recurrent_states
+        return recurrent_states
+
+
 @dataclass
 class NodeKV:
-    """Keys/values one node adds, per layer: ``[1, kv_heads, node_len, head_dim]`` each."""
+    """What one node leaves in the cache, per layer: ``(keys, values)`` of its own tokens
+    (``[1, kv_heads, node_len, head_dim]``) for attention layers, ``(conv,)`` or
+    ``(conv, recurrent)`` final states for conv/recurrent layers."""
 
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    layers: list[tuple[torch.Tensor, ...]]
 
     def tensors(self) -> list[torch.Tensor]:
-        return [*self.keys, *self.values]
+        return [t for layer in self.layers for t in layer]
+
+    def detached(self, requires_grad: bool) -> NodeKV:
+        return NodeKV([tuple(t.detach().requires_grad_(requires_grad) for t in lay) for lay in self.layers])
 
 
 def _cat_past(pieces: list[torch.Tensor]) -> torch.Tensor:
@@ -119,16 +181,18 @@ class ModelAdapter:
                 self.layer_kinds.append("full")
             elif type(layer) is DynamicSlidingWindowLayer:
                 self.layer_kinds.append("sliding")
+            elif type(layer) is LinearAttentionLayer:
+                self.layer_kinds.append("state")
             else:
                 self.layer_kinds.append(type(layer).__name__)
                 logger.debug("layer %d of %s has cache layer %s", i, name, type(layer).__name__)
-        unsupported = sorted({k for k in self.layer_kinds if k not in ("full", "sliding")})
-        self.has_state = bool(unsupported)
+        unsupported = sorted({k for k in self.layer_kinds if k not in ("full", "sliding", "state")})
+        self.has_state = "state" in self.layer_kinds
         if unsupported:
             raise UnsupportedModelError(
-                f"{name} has cache layers of kind {unsupported} (convolution/recurrent state or indexed "
-                "attention), which this executor cannot yet rebuild per tree node: train this model without "
-                "tree_packing"
+                f"{name} has cache layers of kind {unsupported} (e.g. indexed attention or layers mixing "
+                "attention and recurrent state), which forkrl cannot rebuild per tree node: train this model "
+                "without tree_packing"
             )
         self.attn_implementation = getattr(base.config, "_attn_implementation", None)
 
@@ -146,14 +210,21 @@ class ModelAdapter:
         cache = DynamicCache(config=self.base.config)
         layers = []
         for i, kind in enumerate(self.layer_kinds):
+            if kind == "state":
+                layer = _RecordingStateLayer()
+                if past_len > 0:
+                    nearest = past[i][-1]
+                    layer.set_past(nearest[0], nearest[1] if len(nearest) > 1 else None)
+                layers.append(layer)
+                continue
             if kind == "sliding":
                 window = cache.layers[i].sliding_window
                 layer = _RecordingSlidingLayer(sliding_window=window)
             else:
                 layer = _RecordingLayer()
             if past_len > 0:
-                keys = _cat_past([k for k, _ in past[i]])
-                values = _cat_past([v for _, v in past[i]])
+                keys = _cat_past([kv[0] for kv in past[i]])
+                values = _cat_past([kv[1] for kv in past[i]])
                 if kind == "sliding":
                     keep = window - 1
                     keys, values = keys[:, :, -keep:, :], values[:, :, -keep:, :]
@@ -166,11 +237,20 @@ class ModelAdapter:
 
     @staticmethod
     def recorded(cache: DynamicCache) -> NodeKV:
-        """The keys/values the last forward through ``cache`` added."""
-        return NodeKV(
-            keys=[layer.new_keys for layer in cache.layers],
-            values=[layer.new_values for layer in cache.layers],
-        )
+        """What the last forward through ``cache`` added (see :class:`NodeKV`)."""
+        out: list[tuple[torch.Tensor, ...]] = []
+        for layer in cache.layers:
+            if isinstance(layer, _RecordingStateLayer):
+                if layer.new_conv is None:
+                    raise UnsupportedModelError(
+                        "a conv/recurrent layer did not update its state through the cache; forkrl cannot "
+                        "carry its state between tree nodes: train this model without tree_packing"
+                    )
+                state = (layer.new_conv,) if layer.new_recurrent is None else (layer.new_conv, layer.new_recurrent)
+                out.append(state)
+            else:
+                out.append((layer.new_keys, layer.new_values))
+        return NodeKV(out)
 
     # ------------------------------------------------------------------ forward pieces
     def hidden(
