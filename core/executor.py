@@ -354,12 +354,13 @@ class TreeExecutor:
                 del hidden
             outputs: list[torch.Tensor] = []
             grads: list[torch.Tensor] = []
-            if frame.hidden_rows is not None:
+            if frame.hidden_rows is not None and frame.hidden_rows.requires_grad:
                 outputs.append(frame.hidden_rows)
                 grads.append(frame.hidden_grad)
             if frame.leaves is not None:
                 for out, leaf in zip(frame.kv.tensors(), frame.leaves.tensors(), strict=True):
-                    if leaf.grad is not None:
+                    # Frozen projections (e.g. LoRA on q/v only) give keys without a graph.
+                    if leaf.grad is not None and out.requires_grad:
                         outputs.append(out)
                         grads.append(leaf.grad)
             if outputs:
@@ -477,7 +478,7 @@ class TreeExecutor:
             hidden = self.adapter.hidden(ids, pos, cache=None, attention_mask=attn)[0]
             h_rows = hidden[rows.to(device)]
         out_rows, g = self._head_rows(h_rows, entry_row, entry_ids, entry_target, lp, ent, coef, grad)
-        if grad and out_rows is not None:
+        if grad and out_rows is not None and out_rows.requires_grad:
             torch.autograd.backward([out_rows], [g])
 
 

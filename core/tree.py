@@ -247,27 +247,26 @@ class PrefixForest:
 
         offset = 0
         for node in self.nodes:
-            rows: list[int] = []
-            targets: list[int] = []
             length = len(node.tokens)
-            # Tokens inside the node: target at offset o is predicted from row o - 1.
-            first = max(1, min_score[node.index] - node.start)
-            for o in range(first, length):
-                rows.append(o - 1)
-                targets.append(int(node.tokens[o]))
-            # First token of each child is predicted from this node's last row.
-            for c in node.children:
-                child = self.nodes[c]
-                if min_score[c] <= child.start:
-                    rows.append(length - 1)
-                    targets.append(int(child.tokens[0]))
+            # Tokens inside the node: the target at offset o is predicted from row o - 1.
+            first = min(max(1, min_score[node.index] - node.start), length)
+            n_in = length - first
+            scored_children = [c for c in node.children if min_score[c] <= self.nodes[c].start]
+            # The first token of each child is predicted from this node's last row.
+            rows = torch.arange(first - 1, length - 1)
+            if scored_children:
+                rows = torch.cat([rows, torch.tensor([length - 1])])
+            node.rows = rows
+            node.entry_row = torch.cat(
+                [torch.arange(n_in), torch.full((len(scored_children),), len(rows) - 1, dtype=torch.long)]
+            )
+            node.entry_target = torch.cat(
+                [node.tokens[first:], torch.stack([self.nodes[c].tokens[0] for c in scored_children])]
+                if scored_children
+                else [node.tokens[first:]]
+            )
             node.entry_offset = offset
-            uniq = sorted(set(rows))
-            pos = {r: k for k, r in enumerate(uniq)}
-            node.rows = torch.tensor(uniq, dtype=torch.long)
-            node.entry_row = torch.tensor([pos[r] for r in rows], dtype=torch.long)
-            node.entry_target = torch.tensor(targets, dtype=torch.long)
-            offset += len(targets)
+            offset += len(node.entry_target)
         self.num_entries = offset
 
         # Per sequence, the global entry of each scored token. Entry order inside a node is:

@@ -1,0 +1,1 @@
+"""TRL, OpenRLHF and veRL integrations of forkrl (not yet implemented; a later issue)."""

@@ -1,0 +1,1 @@
+"""OpenRLHF plugin for forkrl (not yet implemented; a later issue)."""

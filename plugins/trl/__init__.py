@@ -1,0 +1,1 @@
+"""TRL plugin for forkrl (not yet implemented; a later issue)."""

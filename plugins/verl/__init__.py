@@ -1,0 +1,1 @@
+"""veRL plugin for forkrl (not yet implemented; a later issue)."""

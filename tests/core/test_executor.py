@@ -1,0 +1,218 @@
+"""TreeExecutor against plain per-sequence autograd, in true float64."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from forkrl.core import PrefixForest, TreeExecutor, UnsupportedModelError
+from forkrl.core.testing import Float64Mode
+
+from .forests import FORESTS, deep_tree, grpo_group
+from .models import dense_logprobs, grads, make_model, max_rel_err
+
+TOL = 1e-10
+
+ATTENTION_CASES = [("keep", None), ("replay", None), ("replay", 1), ("replay", 7), ("replay", 1000), ("packed", None)]
+STATE_CASES = [("keep", None), ("replay", 1), ("replay", 7)]
+
+MODEL_CASES = (
+    [("llama-gqa", f, m, b) for f in FORESTS for m, b in ATTENTION_CASES]
+    + [(name, "deep", m, b) for name in ("llama-mha", "llama-mqa", "qwen2") for m, b in ATTENTION_CASES]
+    + [(name, "deep", m, b) for name in ("mistral-swa", "gemma2") for m, b in STATE_CASES]
+    + [(name, f, m, b) for name in ("lfm2", "qwen3next") for f in ("grpo", "deep") for m, b in STATE_CASES]
+)
+
+
+def _coefs(seqs, score_from, seed):
+    g = torch.Generator().manual_seed(seed)
+    lp = [torch.randn(len(s) - f, generator=g, dtype=torch.float64) for s, f in zip(seqs, score_from, strict=True)]
+    ent = [torch.randn(len(s) - f, generator=g, dtype=torch.float64) for s, f in zip(seqs, score_from, strict=True)]
+    return lp, ent
+
+
+def _dense(model, seqs, score_from, c_lp, c_ent, temperature=1.0):
+    model.zero_grad(set_to_none=True)
+    lps, ents = dense_logprobs(model, seqs, score_from, temperature, entropy=True)
+    total = sum((lp * c).sum() + (e * d).sum() for lp, e, c, d in zip(lps, ents, c_lp, c_ent, strict=True))
+    total.backward()
+    return [t.detach() for t in lps], [t.detach() for t in ents], grads(model)
+
+
+@pytest.mark.parametrize("name,forest_name,mode,block", MODEL_CASES)
+def test_exact_against_dense(name, forest_name, mode, block):
+    model = make_model(name)
+    seqs, score_from = FORESTS[forest_name]()
+    forest = PrefixForest.build(seqs, score_from)
+    c_lp, c_ent = _coefs(seqs, score_from, seed=3)
+    temperature = 0.7 if forest_name == "deep" else 1.0
+    with Float64Mode():
+        lp_d, ent_d, g_d = _dense(model, seqs, score_from, c_lp, c_ent, temperature)
+        ex = TreeExecutor(model, mode=mode, block_size=block, temperature=temperature)
+        scored = ex.score(forest, entropy=True)
+        model.zero_grad(set_to_none=True)
+        res = ex.backward(forest, c_lp, c_ent)
+        g_t = grads(model)
+    assert max_rel_err(scored.logprobs, lp_d) < TOL
+    assert max_rel_err(scored.entropies, ent_d) < TOL
+    assert max_rel_err(res.logprobs, lp_d) < TOL
+    assert max_rel_err(g_t, g_d) < TOL
+    # Every parameter that gets a gradient in the plain computation gets the same one here.
+    assert all((a.norm() > 0) == (b.norm() > 0) for a, b in zip(g_t, g_d, strict=True))
+
+
+def test_gradient_accumulates_into_existing_grads():
+    model = make_model("llama-gqa")
+    seqs, sf = grpo_group()
+    c_lp, c_ent = _coefs(seqs, sf, 4)
+    forest = PrefixForest.build(seqs, sf)
+    with Float64Mode():
+        _, _, g_d = _dense(model, seqs, sf, c_lp, c_ent)
+        ex = TreeExecutor(model)
+        model.zero_grad(set_to_none=True)
+        ex.backward(forest, c_lp, c_ent)
+        ex.backward(forest, c_lp, c_ent)
+    assert max_rel_err(grads(model), [2 * g for g in g_d]) < TOL
+
+
+def test_float32_agreement_bounds():
+    model = make_model("llama-gqa", dtype=torch.float32)
+    seqs, sf = deep_tree()
+    c_lp, c_ent = _coefs(seqs, sf, 5)
+    c_lp = [c.float() for c in c_lp]
+    c_ent = [c.float() for c in c_ent]
+    lp_d, ent_d, g_d = _dense(model, seqs, sf, c_lp, c_ent)
+    forest = PrefixForest.build(seqs, sf)
+    for mode, block in (("keep", None), ("replay", 3), ("packed", None)):
+        ex = TreeExecutor(model, mode=mode, block_size=block)
+        model.zero_grad(set_to_none=True)
+        res = ex.backward(forest, c_lp, c_ent)
+        assert max_rel_err(res.logprobs, lp_d) < 1e-5
+        assert max_rel_err(grads(model), g_d) < 1e-4
+
+
+def test_eager_attention_is_exact_in_every_mode():
+    model = make_model("llama-gqa", attn="eager")
+    seqs, sf = deep_tree()
+    c_lp, c_ent = _coefs(seqs, sf, 6)
+    forest = PrefixForest.build(seqs, sf)
+    with Float64Mode():
+        lp_d, _, g_d = _dense(model, seqs, sf, c_lp, c_ent)
+        for mode, block in (("keep", None), ("replay", 2), ("packed", None)):
+            model.zero_grad(set_to_none=True)
+            res = TreeExecutor(model, mode=mode, block_size=block).backward(forest, c_lp, c_ent)
+            assert max_rel_err(res.logprobs, lp_d) < TOL
+            assert max_rel_err(grads(model), g_d) < TOL
+
+
+def test_lora_model():
+    peft = pytest.importorskip("peft", reason="peft is in the dev extra")
+    base = make_model("llama-gqa")
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data.normal_(0, 0.05)
+    seqs, sf = grpo_group()
+    c_lp, c_ent = _coefs(seqs, sf, 7)
+    forest = PrefixForest.build(seqs, sf)
+    with Float64Mode():
+        lp_d, _, g_d = _dense(model, seqs, sf, c_lp, c_ent)
+        model.zero_grad(set_to_none=True)
+        res = TreeExecutor(model, mode="replay", block_size=4).backward(forest, c_lp, c_ent)
+    trainable = [i for i, p in enumerate(model.parameters()) if p.requires_grad]
+    assert trainable
+    g_t = grads(model)
+    assert max_rel_err([g_t[i] for i in trainable], [g_d[i] for i in trainable]) < TOL
+    assert max_rel_err(res.logprobs, lp_d) < TOL
+
+
+def test_gradient_checkpointing_is_handled_with_one_log_line(caplog):
+    model = make_model("llama-gqa")
+    model.gradient_checkpointing_enable()
+    model.train()
+    seqs, sf = grpo_group()
+    c_lp, c_ent = _coefs(seqs, sf, 8)
+    forest = PrefixForest.build(seqs, sf)
+    with Float64Mode():
+        model.gradient_checkpointing_disable()
+        _, _, g_d = _dense(model, seqs, sf, c_lp, c_ent)
+        model.gradient_checkpointing_enable()
+        ex = TreeExecutor(model, mode="keep")
+        with caplog.at_level(logging.INFO, logger="forkrl.core.executor"):
+            for _ in range(2):
+                model.zero_grad(set_to_none=True)
+                ex.backward(forest, c_lp, c_ent)
+    assert max_rel_err(grads(model), g_d) < TOL
+    assert sum("gradient checkpointing" in r.message for r in caplog.records) == 1
+    assert model.model.gradient_checkpointing  # restored
+
+
+def test_replay_reproduces_dropout_masks():
+    model = make_model("llama-gqa", attention_dropout=0.3)
+    model.train()
+    seqs, sf = deep_tree()
+    c_lp, c_ent = _coefs(seqs, sf, 9)
+    forest = PrefixForest.build(seqs, sf)
+    out = {}
+    for mode in ("keep", "replay"):
+        torch.manual_seed(123)
+        model.zero_grad(set_to_none=True)
+        with Float64Mode():
+            TreeExecutor(model, mode=mode).backward(forest, c_lp, c_ent)
+        out[mode] = grads(model)
+    assert max_rel_err(out["replay"], out["keep"]) < TOL
+    # The masks were really random: a different seed gives a different gradient.
+    torch.manual_seed(7)
+    model.zero_grad(set_to_none=True)
+    with Float64Mode():
+        TreeExecutor(model, mode="replay").backward(forest, c_lp, c_ent)
+    assert max_rel_err(grads(model), out["keep"]) > 1e-6
+
+
+def test_packed_refused_for_state_models_and_sliding_windows():
+    with pytest.raises(UnsupportedModelError, match="mode='keep'"):
+        TreeExecutor(make_model("lfm2"), mode="packed")
+    with pytest.raises(UnsupportedModelError, match="sliding"):
+        TreeExecutor(make_model("mistral-swa"), mode="packed")
+
+
+def test_model_without_lm_head_is_refused():
+    model = make_model("llama-gqa").model  # the bare decoder
+    with pytest.raises(UnsupportedModelError, match="LlamaModel"):
+        TreeExecutor(model)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"mode": "dense"}, "mode"),
+        ({"block_size": 0}, "block_size"),
+        ({"temperature": 0.0}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+    ],
+)
+def test_bad_executor_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TreeExecutor(make_model("llama-gqa"), **kwargs)
+
+
+def test_bad_coefficients_lose_nothing():
+    model = make_model("llama-gqa")
+    seqs, sf = grpo_group()
+    forest = PrefixForest.build(seqs, sf)
+    c_lp, _ = _coefs(seqs, sf, 10)
+    ex = TreeExecutor(model)
+    model.zero_grad(set_to_none=True)
+    bad = [c.clone() for c in c_lp]
+    bad[2][0] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        ex.backward(forest, bad)
+    with pytest.raises(ValueError, match="sequence 1"):
+        ex.backward(forest, [c_lp[0], c_lp[1][:-1], *c_lp[2:]])
+    with pytest.raises(ValueError, match="one tensor per sequence"):
+        ex.backward(forest, c_lp[:-1])
+    with pytest.raises(ValueError, match="exactly one"):
+        ex.backward(forest)
+    assert all(p.grad is None for p in model.parameters())
