@@ -248,6 +248,11 @@ class TreeExecutor:
     def _device(self) -> torch.device:
         return self.adapter.head.weight.device
 
+    @property
+    def device(self) -> torch.device:
+        """The device the model's LM head lives on (where results are returned)."""
+        return self._device
+
     def _result(self, forest: PrefixForest, lp: torch.Tensor, ent: torch.Tensor | None) -> ScoreResult:
         return ScoreResult(
             logprobs=forest.gather(lp),

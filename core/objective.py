@@ -41,9 +41,10 @@ def pad(per_sequence: Sequence[torch.Tensor], value: float = 0.0) -> tuple[torch
     """
     lengths = [len(t) for t in per_sequence]
     width = max(1, max(lengths, default=0))
-    ref = per_sequence[0]
-    out = torch.full((len(per_sequence), width), value, dtype=ref.dtype, device=ref.device)
-    mask = torch.zeros(len(per_sequence), width, dtype=torch.bool, device=ref.device)
+    dtype = per_sequence[0].dtype if per_sequence else torch.float32
+    device = per_sequence[0].device if per_sequence else torch.device("cpu")
+    out = torch.full((len(per_sequence), width), value, dtype=dtype, device=device)
+    mask = torch.zeros(len(per_sequence), width, dtype=torch.bool, device=device)
     for i, t in enumerate(per_sequence):
         out[i, : len(t)] = t
         mask[i, : len(t)] = True
@@ -98,6 +99,11 @@ class TokenLocalCoefficients:
         self.mask = torch.zeros(len(lengths), self.width, dtype=torch.bool)
         for i, n in enumerate(lengths):
             self.mask[i, :n] = True
+        if fill is not None and tuple(fill.shape) != tuple(self.mask.shape):
+            raise ValueError(
+                f"fill has shape {tuple(fill.shape)} but the padded layout of this forest is "
+                f"{tuple(self.mask.shape)} (sequences x longest scored span): pad or cut it to that width"
+            )
         self.fill = fill
         self.dtype = dtype
 
@@ -195,7 +201,7 @@ def backward_loss(
     lengths = _scored_lengths(forest)
     if token_local:
         coef = TokenLocalCoefficients(forest, loss_fn, fill=fill, entropy=entropy)
-        _precheck(coef)
+        _precheck(coef, executor.device)
         res = executor.backward(forest, coefficient_fn=_checked(coef), entropy=entropy)
         lp, mask = pad(res.logprobs)
         ent = pad(res.entropies)[0] if res.entropies is not None else None
@@ -229,13 +235,16 @@ def backward_loss(
     )
 
 
-def _precheck(coef: TokenLocalCoefficients) -> None:
+def _precheck(coef: TokenLocalCoefficients, device: torch.device) -> None:
     # A token-local loss has the same finiteness at any log-prob value, so evaluating its gradient
     # once at the fill values catches NaN advantages before anything is accumulated.
-    mask = coef.mask
-    lp = (coef.fill.to(coef.dtype) if coef.fill is not None else torch.zeros(mask.shape, dtype=coef.dtype))
-    lp = lp.clone().requires_grad_(True)
-    ent = torch.zeros(mask.shape, dtype=coef.dtype, requires_grad=True) if coef.entropy else None
+    mask = coef.mask.to(device)
+    if coef.fill is not None:
+        lp = coef.fill.to(device=device, dtype=coef.dtype).clone()
+    else:
+        lp = torch.zeros(mask.shape, dtype=coef.dtype, device=device)
+    lp.requires_grad_(True)
+    ent = torch.zeros(mask.shape, dtype=coef.dtype, device=device, requires_grad=True) if coef.entropy else None
     with torch.enable_grad():
         loss = coef.loss_fn(lp, ent, mask)
         grads = torch.autograd.grad(loss, [lp] if ent is None else [lp, ent], allow_unused=True)

@@ -140,7 +140,12 @@ class PrefixForest:
         if len(sequences) == 0:
             raise ValueError("PrefixForest.build needs at least one sequence, got an empty batch")
         if isinstance(score_from, torch.Tensor):
-            score_from = score_from.tolist()
+            score_from = score_from.reshape(-1).tolist() if score_from.dim() else [score_from.item()]
+        if isinstance(score_from, (int, np.integer)):
+            raise ValueError(
+                f"score_from must give one completion start per sequence ({len(sequences)} values), got the "
+                f"single value {score_from}"
+            )
         score_from = list(score_from)
         if len(score_from) != len(sequences):
             raise ValueError(

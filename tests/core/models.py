@@ -6,10 +6,10 @@ import torch
 from transformers import (
     Gemma2Config,
     Gemma2ForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
     Lfm2Config,
     Lfm2ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     Qwen2Config,

@@ -1,0 +1,144 @@
+"""Shared measurement tools for the benchmarks: models from configs, memory meters, timing."""
+
+from __future__ import annotations
+
+import platform
+import threading
+import time
+import weakref
+from contextlib import contextmanager
+
+import torch
+
+try:
+    import psutil
+except ImportError:  # pragma: no cover - psutil is in the dev extra
+    psutil = None
+
+MODELS = {
+    # name: (hidden, layers, heads, kv_heads, intermediate, vocab)
+    "tiny": (128, 4, 4, 4, 344, 32000),
+    "small": (512, 8, 8, 8, 1376, 32000),
+}
+
+
+def make_llama(name: str, dtype: torch.dtype = torch.float32, attn: str = "sdpa", max_pos: int = 1 << 18):
+    """A randomly initialised Llama of one of the sizes in :data:`MODELS`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, layers, heads, kv, inter, vocab = MODELS[name]
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=max_pos,
+    )
+    cfg._attn_implementation = attn
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to(dtype)
+
+
+def flops_per_token(name: str) -> tuple[float, float, float]:
+    """Forward FLOPs: (per token in linear layers, per token per context position in attention, LM head per row)."""
+    hidden, layers, heads, kv, inter, vocab = MODELS[name]
+    head_dim = hidden // heads
+    linear = 2 * layers * (hidden * hidden * 2 + 2 * hidden * kv * head_dim + 3 * hidden * inter)
+    attn = layers * 4 * heads * head_dim  # QK^T and AV, per query per key
+    return float(linear), float(attn), float(2 * hidden * vocab)
+
+
+class SavedBytes:
+    """Peak bytes held by autograd for backward (saved tensors), measured deterministically.
+
+    Every tensor autograd saves is wrapped in a box whose collection returns its bytes; storage
+    shared by several saved tensors counts once per save (an upper bound, the same for all methods).
+    """
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.peak = 0
+
+    def _pack(self, t: torch.Tensor):
+        box = _Box(t)
+        n = t.numel() * t.element_size()
+        self.current += n
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(box, self._free, n)
+        return box
+
+    def _free(self, n: int) -> None:
+        self.current -= n
+
+    @staticmethod
+    def _unpack(box):
+        return box.t
+
+    @contextmanager
+    def measure(self):
+        self.current = self.peak = 0
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield self
+
+
+class _Box:
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+class PeakRSS:
+    """Peak resident memory above the level at start, sampled every few milliseconds."""
+
+    def __init__(self, interval: float = 0.005) -> None:
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+
+    def __enter__(self):
+        if psutil is None:
+            return self
+        self._proc = psutil.Process()
+        self._base = self._proc.memory_info().rss
+        self.peak = 0
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._proc.memory_info().rss - self._base)
+            time.sleep(self.interval)
+
+    def __exit__(self, *exc) -> None:
+        if psutil is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss - self._base)
+
+
+def machine() -> dict:
+    import transformers
+
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+    }
+    if psutil is not None:
+        info["cores"] = psutil.cpu_count(logical=True)
+        info["ram_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
+    return info
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out

@@ -1,0 +1,174 @@
+"""Tree training against dense training on GRPO-shaped batches (one prompt, G completions).
+
+For each model size, prompt length P and group size G, one optimizer-step's worth of forward and
+backward (the gradient of sum(coef * logprob) over the completions) runs as:
+    dense   padded per-sequence batches (micro-batches of --dense-tokens tokens), the plain path
+    keep    TreeExecutor(mode="keep")
+    replay  TreeExecutor(mode="replay", block_size=--block-size)
+    packed  TreeExecutor(mode="packed"), the tree-attention-mask path
+and no-grad scoring runs as dense vs TreeExecutor.score. Ratios are measured side by side in one
+process. Prints a table, then one line of JSON.
+
+    .venv/bin/python benchmarks/tree_training.py --models tiny --P 512 --G 4          # a minute
+    .venv/bin/python benchmarks/tree_training.py --models small --P 2048 --G 16       # the target row
+    .venv/bin/python benchmarks/tree_training.py --models tiny,small --P 512,2048,8192 --G 4,8,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import PeakRSS, SavedBytes, flops_per_token, machine, make_llama, timed  # noqa: E402
+
+from forkrl.core import PrefixForest, TreeExecutor  # noqa: E402
+
+
+def grpo_batch(P: int, G: int, R: int, vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab, (P,), generator=g)
+    seqs = [torch.cat([prompt, torch.randint(0, vocab, (R,), generator=g)]) for _ in range(G)]
+    coefs = [torch.randn(R, generator=g) / (G * R) for _ in range(G)]
+    return seqs, [P] * G, coefs
+
+
+def ideal_flops(forest: PrefixForest, name: str) -> tuple[float, float]:
+    """Forward FLOPs of (dense, tree): linear layers, attention over the causal context, LM head rows."""
+    lin, att, head = flops_per_token(name)
+    dense = sum(lin * n + att * n * (n + 1) / 2 for n in forest.lengths) + head * forest.scored_tokens
+    tree = 0.0
+    for node in forest.nodes:
+        n, s = len(node.tokens), node.start
+        tree += lin * n + att * (n * s + n * (n + 1) / 2)
+    tree += head * forest.num_entries
+    return dense, tree
+
+
+def dense_step(model, seqs, score_from, coefs, max_tokens: int, grad: bool):
+    """The plain path: equal-length sequences in micro-batches, logits only for the completions."""
+    length = len(seqs[0])
+    mb = max(1, max_tokens // length)
+    out = []
+    for i in range(0, len(seqs), mb):
+        ids = torch.stack(seqs[i : i + mb])
+        sf = score_from[i]
+        with torch.set_grad_enabled(grad):
+            logits = model(input_ids=ids, logits_to_keep=length - sf + 1).logits[:, :-1]
+            lp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, sf:, None])[..., 0]
+            if grad:
+                (lp * torch.stack(coefs[i : i + mb])).sum().backward()
+        out.append(lp.detach())
+    return out
+
+
+def run_config(model, name, P, G, R, methods, args) -> dict:
+    vocab = model.config.vocab_size
+    seqs, sf, coefs = grpo_batch(P, G, R, vocab)
+    forest = PrefixForest.build(seqs, sf)
+    d_fl, t_fl = ideal_flops(forest, name)
+    row = {
+        "model": name,
+        "P": P,
+        "G": G,
+        "R": R,
+        "ideal_token_ratio": forest.compression,
+        "ideal_flop_ratio": d_fl / t_fl,
+    }
+    meter = SavedBytes()
+    for method in methods:
+        model.zero_grad(set_to_none=True)
+        if method == "dense":
+
+            def fn():
+                return dense_step(model, seqs, sf, coefs, args.dense_tokens, grad=True)
+        else:
+            ex = TreeExecutor(model, mode=method, block_size=args.block_size if method == "replay" else None)
+
+            def fn(ex=ex):
+                return ex.backward(forest, coefs)
+
+        with PeakRSS() as rss, meter.measure():
+            seconds, _ = timed(fn)
+        row[f"{method}_s"] = seconds
+        row[f"{method}_saved_mb"] = meter.peak / 2**20
+        row[f"{method}_rss_mb"] = rss.peak / 2**20
+        print(f"  {name} P={P} G={G} {method}: {seconds:.2f}s", file=sys.stderr, flush=True)
+    if "dense" in methods:
+        for m in methods:
+            if m != "dense":
+                row[f"{m}_speedup"] = row["dense_s"] / row[f"{m}_s"]
+                row[f"{m}_achieved_over_ideal"] = row[f"{m}_speedup"] / row["ideal_flop_ratio"]
+    if "keep" in methods and "packed" in methods:
+        row["keep_over_packed"] = row["packed_s"] / row["keep_s"]
+    if args.score:
+        model.zero_grad(set_to_none=True)
+        ex = TreeExecutor(model, mode="keep", block_size=args.block_size)
+        row["score_dense_s"], _ = timed(lambda: dense_step(model, seqs, sf, coefs, args.dense_tokens, grad=False))
+        row["score_tree_s"], _ = timed(lambda: ex.score(forest))
+        row["score_speedup"] = row["score_dense_s"] / row["score_tree_s"]
+        row["score_achieved_over_ideal_token"] = row["score_speedup"] / row["ideal_token_ratio"]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="tiny", help="comma list of: tiny, small")
+    ap.add_argument("--P", default="512", help="comma list of prompt lengths")
+    ap.add_argument("--G", default="4", help="comma list of group sizes")
+    ap.add_argument("--R", type=int, default=256, help="completion length")
+    ap.add_argument("--methods", default="dense,keep,replay,packed")
+    ap.add_argument("--block-size", type=int, default=512, help="replay block size")
+    ap.add_argument("--dense-tokens", type=int, default=16384, help="tokens per dense micro-batch")
+    ap.add_argument("--no-score", dest="score", action="store_false", help="skip the scoring comparison")
+    ap.add_argument("--skip", default="", help="semicolon list of model:P:G:method to skip, e.g. small:8192:8:dense")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    skip = {tuple(s.split(":")) for s in args.skip.split(";") if s}
+    rows = []
+    for name in args.models.split(","):
+        model = make_llama(name)
+        for P in (int(x) for x in args.P.split(",")):
+            for G in (int(x) for x in args.G.split(",")):
+                methods = [m for m in args.methods.split(",") if (name, str(P), str(G), m) not in skip]
+                rows.append(run_config(model, name, P, G, args.R, methods, args))
+    cols = [
+        ("model", "{}"),
+        ("P", "{}"),
+        ("G", "{}"),
+        ("ideal_token_ratio", "{:.2f}"),
+        ("ideal_flop_ratio", "{:.2f}"),
+        ("dense_s", "{:.2f}"),
+        ("keep_s", "{:.2f}"),
+        ("replay_s", "{:.2f}"),
+        ("packed_s", "{:.2f}"),
+        ("keep_speedup", "{:.2f}"),
+        ("keep_achieved_over_ideal", "{:.2f}"),
+        ("replay_speedup", "{:.2f}"),
+        ("packed_speedup", "{:.2f}"),
+        ("keep_over_packed", "{:.2f}"),
+        ("dense_saved_mb", "{:.0f}"),
+        ("keep_saved_mb", "{:.0f}"),
+        ("replay_saved_mb", "{:.0f}"),
+        ("packed_saved_mb", "{:.0f}"),
+        ("dense_rss_mb", "{:.0f}"),
+        ("keep_rss_mb", "{:.0f}"),
+        ("score_speedup", "{:.2f}"),
+        ("score_achieved_over_ideal_token", "{:.2f}"),
+    ]
+    cols = [(c, f) for c, f in cols if any(c in r for r in rows)]
+    print("| " + " | ".join(c for c, _ in cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(f.format(r[c]) if c in r else "-" for c, f in cols) + " |")
+    print(json.dumps({"benchmark": "tree_training", "machine": machine(), "args": vars(args), "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
