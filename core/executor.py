@@ -146,6 +146,8 @@ class TreeExecutor:
             bounds the no-grad forward of ``score`` in every non-packed mode.
         temperature: logits are divided by it before the softmax, as the host samples.
         head_chunk_elems: at most this many logits (rows x vocab) exist at once.
+        score_batch_tokens: ``score`` runs sibling leaves as one batch while batch x (context +
+            longest leaf) stays under this.
 
     Raises:
         UnsupportedModelError: for models it cannot run in this mode, naming the alternative.
@@ -159,6 +161,7 @@ class TreeExecutor:
         block_size: int | None = None,
         temperature: float = 1.0,
         head_chunk_elems: int = 1 << 25,
+        score_batch_tokens: int = 1 << 15,
     ) -> None:
         if mode not in _MODES:
             raise ValueError(f"mode={mode!r} is not one of {_MODES}")
@@ -172,6 +175,7 @@ class TreeExecutor:
         self.block_size = block_size
         self.temperature = float(temperature)
         self.head_chunk_elems = head_chunk_elems
+        self.score_batch_tokens = score_batch_tokens
         if mode == "packed":
             self._check_packed()
         self._warned_checkpointing = False
@@ -309,22 +313,29 @@ class TreeExecutor:
         units, roots = plan(forest, block)
         replay = grad and self.mode == "replay"
         save_rng = replay and self.adapter.has_dropout()
-        past: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(self.adapter.num_layers)]
+        past: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in range(self.adapter.num_layers)]
         past_len = 0
         frames: dict[int, _Frame] = {}
-        stack: list[tuple[bool, int]] = [(True, r) for r in reversed(roots)]
+        # (op, unit or units): op 0 enters a unit, 1 leaves it, 2 scores a batch of sibling leaves.
+        stack: list[tuple[int, object]] = [(0, r) for r in reversed(roots)]
         device = self._device
         while stack:
-            entering, u = stack.pop()
+            op, u = stack.pop()
+            if op == 2:
+                self._score_leaves([units[i] for i in u], past, past_len, lp, ent)
+                continue
             unit = units[u]
-            if entering:
+            if op == 0:
                 frame = _Frame()
-                if save_rng:
+                # Keep mode forwards with grad once, on the way down. Replay forwards without grad
+                # here and again with grad on the way up, except for leaves, whose way up follows
+                # at once and which hand no cache down.
+                direct = grad and (not replay or not unit.children)
+                if save_rng and not direct:
                     frame.rng = _get_rng(device)
-                # Keep mode (and scoring) forwards once, on the way down.
-                with torch.set_grad_enabled(grad and not replay):
+                with torch.set_grad_enabled(direct):
                     hidden, kv = self._forward_unit(unit, past, past_len)
-                if grad and not replay:
+                if direct:
                     frame.hidden_rows, frame.hidden_grad = self._head(unit, hidden, lp, ent, coef, grad=True)
                     frame.kv = kv
                 elif not grad:
@@ -339,8 +350,15 @@ class TreeExecutor:
                 if not grad:
                     frame.kv = None
                 frames[u] = frame
-                stack.append((False, u))
-                stack.extend((True, c) for c in reversed(unit.children))
+                stack.append((1, u))
+                children = unit.children
+                if not grad:
+                    # Scoring: sibling leaves run as one right-padded batch (causal attention never
+                    # lets a real token see the padding after it), bounded by score_batch_tokens.
+                    leaf_kids = [c for c in children if not units[c].children]
+                    children = [c for c in children if units[c].children]
+                    stack.extend((2, b) for b in self._leaf_batches(units, leaf_kids, past_len))
+                stack.extend((0, c) for c in reversed(children))
                 continue
 
             frame = frames.pop(u)
@@ -350,7 +368,7 @@ class TreeExecutor:
                 past_len -= len(unit.tokens)
             if not grad:
                 continue
-            if replay:
+            if frame.kv is None:  # replay: re-forward with grad, with the same random numbers
                 rng_ctx = _restore_rng(frame.rng, device) if frame.rng is not None else contextlib.nullcontext()
                 with rng_ctx:
                     hidden, kv = self._forward_unit(unit, past, past_len)
@@ -370,6 +388,34 @@ class TreeExecutor:
                         grads.append(leaf.grad)
             if outputs:
                 torch.autograd.backward(outputs, grads)
+
+    def _leaf_batches(self, units: list[ExecNode], leaf_ids: list[int], past_len: int) -> list[list[int]]:
+        """Group sibling leaves (by length) so that batch x (context + longest) <= score_batch_tokens."""
+        leaf_ids = sorted(leaf_ids, key=lambda i: len(units[i].tokens))
+        batches: list[list[int]] = []
+        cur: list[int] = []
+        for i in leaf_ids:
+            width = past_len + len(units[i].tokens)
+            if cur and (len(cur) + 1) * width > self.score_batch_tokens:
+                batches.append(cur)
+                cur = []
+            cur.append(i)
+        if cur:
+            batches.append(cur)
+        return batches[::-1]  # popped from a stack: keep length order
+
+    def _score_leaves(self, batch: list[ExecNode], past, past_len: int, lp, ent) -> None:
+        device = self._device
+        width = max(len(u.tokens) for u in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        for b, u in enumerate(batch):
+            ids[b, : len(u.tokens)] = u.tokens
+        start = batch[0].start
+        pos = torch.arange(start, start + width, device=device).expand(len(batch), -1)
+        cache = self.adapter.make_cache(past, past_len, batch=len(batch))
+        hidden = self.adapter.hidden(ids.to(device), pos, cache=cache)
+        for b, u in enumerate(batch):
+            self._head(u, hidden[b], lp, ent, None, grad=False)
 
     def _forward_unit(self, unit: ExecNode, past, past_len: int) -> tuple[torch.Tensor, NodeKV]:
         device = self._device

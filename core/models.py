@@ -125,6 +125,13 @@ class NodeKV:
         return NodeKV([tuple(t.detach().requires_grad_(requires_grad) for t in lay) for lay in self.layers])
 
 
+def _batched(t: torch.Tensor, batch: int, copy: bool = False) -> torch.Tensor:
+    if batch == 1:
+        return t
+    t = t.expand(batch, *t.shape[1:])
+    return t.contiguous() if copy else t
+
+
 def _cat_past(pieces: list[torch.Tensor]) -> torch.Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-2)
 
@@ -201,11 +208,12 @@ class ModelAdapter:
     def num_layers(self) -> int:
         return len(self.layer_kinds)
 
-    def make_cache(self, past: list[LayerPast], past_len: int) -> DynamicCache:
+    def make_cache(self, past: list[LayerPast], past_len: int, batch: int = 1) -> DynamicCache:
         """A fresh cache holding ``past`` (per layer, the ancestors' key/value pieces).
 
         The pieces are concatenated here (out of place), so gradient reaches every piece; a cache
-        is never reused after a forward appended to it.
+        is never reused after a forward appended to it. ``batch`` > 1 shares the past among that
+        many sequences (broadcast, no copy until the forward appends).
         """
         cache = DynamicCache(config=self.base.config)
         layers = []
@@ -213,7 +221,7 @@ class ModelAdapter:
             if kind == "state":
                 layer = _RecordingStateLayer()
                 if past_len > 0:
-                    nearest = past[i][-1]
+                    nearest = [_batched(t, batch, copy=True) for t in past[i][-1]]
                     layer.set_past(nearest[0], nearest[1] if len(nearest) > 1 else None)
                 layers.append(layer)
                 continue
@@ -229,6 +237,7 @@ class ModelAdapter:
                     keep = window - 1
                     keys, values = keys[:, :, -keep:, :], values[:, :, -keep:, :]
                     layer.cumulative_length = past_len
+                keys, values = _batched(keys, batch), _batched(values, batch)
                 layer.lazy_initialization(keys, values)
                 layer.keys, layer.values = keys, values
             layers.append(layer)
