@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import platform
-import threading
 import time
 import weakref
 from contextlib import contextmanager
@@ -88,38 +87,6 @@ class _Box:
 
     def __init__(self, t: torch.Tensor) -> None:
         self.t = t
-
-
-class PeakRSS:
-    """Peak resident memory above the level at start, sampled every few milliseconds."""
-
-    def __init__(self, interval: float = 0.005) -> None:
-        self.interval = interval
-        self.peak = 0
-        self._stop = threading.Event()
-
-    def __enter__(self):
-        if psutil is None:
-            return self
-        self._proc = psutil.Process()
-        self._base = self._proc.memory_info().rss
-        self.peak = 0
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._proc.memory_info().rss - self._base)
-            time.sleep(self.interval)
-
-    def __exit__(self, *exc) -> None:
-        if psutil is None:
-            return
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._proc.memory_info().rss - self._base)
 
 
 def machine() -> dict:

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
+import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PeakRSS, SavedBytes, flops_per_token, machine, make_llama, timed  # noqa: E402
+from common import SavedBytes, flops_per_token, machine, make_llama, timed  # noqa: E402
 
 from forkrl.core import PrefixForest, TreeExecutor  # noqa: E402
 
@@ -80,7 +82,7 @@ def run_config(model, name, P, G, R, methods, args) -> dict:
         "ideal_flop_ratio": d_fl / t_fl,
     }
     meter = SavedBytes()
-    for method in methods:
+    for method in methods if not args.score_only else []:
         model.zero_grad(set_to_none=True)
         if method == "dense":
 
@@ -92,11 +94,10 @@ def run_config(model, name, P, G, R, methods, args) -> dict:
             def fn(ex=ex):
                 return ex.backward(forest, coefs)
 
-        with PeakRSS() as rss, meter.measure():
+        with meter.measure():
             seconds, _ = timed(fn)
         row[f"{method}_s"] = seconds
         row[f"{method}_saved_mb"] = meter.peak / 2**20
-        row[f"{method}_rss_mb"] = rss.peak / 2**20
         print(f"  {name} P={P} G={G} {method}: {seconds:.2f}s", file=sys.stderr, flush=True)
     if "dense" in methods:
         for m in methods:
@@ -107,12 +108,41 @@ def run_config(model, name, P, G, R, methods, args) -> dict:
         row["keep_over_packed"] = row["packed_s"] / row["keep_s"]
     if args.score:
         model.zero_grad(set_to_none=True)
-        ex = TreeExecutor(model, mode="keep", block_size=args.block_size)
+        ex = TreeExecutor(model, mode="keep")
         row["score_dense_s"], _ = timed(lambda: dense_step(model, seqs, sf, coefs, args.dense_tokens, grad=False))
         row["score_tree_s"], _ = timed(lambda: ex.score(forest))
         row["score_speedup"] = row["score_dense_s"] / row["score_tree_s"]
         row["score_achieved_over_ideal_token"] = row["score_speedup"] / row["ideal_token_ratio"]
     return row
+
+
+def isolated_rss(name: str, P: int, G: int, method: str, args) -> dict:
+    """Run one method in a fresh process: its peak RSS is not hidden by memory an earlier method
+    left in this process's allocator."""
+    cmd = [
+        sys.executable, __file__, "--one", f"{name}:{P}:{G}:{method}", "--R", str(args.R),
+        "--block-size", str(args.block_size), "--dense-tokens", str(args.dense_tokens),
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+    return json.loads(out)
+
+
+def one(spec: str, args) -> None:
+    name, P, G, method = spec.split(":")
+    P, G = int(P), int(G)
+    model = make_llama(name)
+    seqs, sf, coefs = grpo_batch(P, G, args.R, model.config.vocab_size)
+    forest = PrefixForest.build(seqs, sf)
+    import psutil
+
+    before = psutil.Process().memory_info().rss
+    if method == "dense":
+        dense_step(model, seqs, sf, coefs, args.dense_tokens, grad=True)
+    else:
+        ex = TreeExecutor(model, mode=method, block_size=args.block_size if method == "replay" else None)
+        ex.backward(forest, coefs)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"method": method, "rss_before_mb": before / 2**20, "peak_rss_mb": peak / 2**20}))
 
 
 def main() -> None:
@@ -125,9 +155,14 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=512, help="replay block size")
     ap.add_argument("--dense-tokens", type=int, default=16384, help="tokens per dense micro-batch")
     ap.add_argument("--no-score", dest="score", action="store_false", help="skip the scoring comparison")
+    ap.add_argument("--score-only", action="store_true", help="only the scoring comparison")
     ap.add_argument("--skip", default="", help="semicolon list of model:P:G:method to skip, e.g. small:8192:8:dense")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    ap.add_argument("--isolate", action="store_true", help="also measure each method's peak RSS in its own process")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.one:
+        return one(args.one, args)
     if args.threads:
         torch.set_num_threads(args.threads)
     skip = {tuple(s.split(":")) for s in args.skip.split(";") if s}
@@ -137,7 +172,13 @@ def main() -> None:
         for P in (int(x) for x in args.P.split(",")):
             for G in (int(x) for x in args.G.split(",")):
                 methods = [m for m in args.methods.split(",") if (name, str(P), str(G), m) not in skip]
-                rows.append(run_config(model, name, P, G, args.R, methods, args))
+                row = run_config(model, name, P, G, args.R, methods, args)
+                if args.isolate:
+                    for m in methods:
+                        iso = isolated_rss(name, P, G, m, args)
+                        row[f"{m}_peak_rss_mb"] = iso["peak_rss_mb"]
+                        row[f"{m}_rss_before_mb"] = iso["rss_before_mb"]
+                rows.append(row)
     cols = [
         ("model", "{}"),
         ("P", "{}"),
@@ -157,8 +198,10 @@ def main() -> None:
         ("keep_saved_mb", "{:.0f}"),
         ("replay_saved_mb", "{:.0f}"),
         ("packed_saved_mb", "{:.0f}"),
-        ("dense_rss_mb", "{:.0f}"),
-        ("keep_rss_mb", "{:.0f}"),
+        ("dense_peak_rss_mb", "{:.0f}"),
+        ("keep_peak_rss_mb", "{:.0f}"),
+        ("replay_peak_rss_mb", "{:.0f}"),
+        ("packed_peak_rss_mb", "{:.0f}"),
         ("score_speedup", "{:.2f}"),
         ("score_achieved_over_ideal_token", "{:.2f}"),
     ]

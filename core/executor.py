@@ -53,6 +53,7 @@ class ExecNode:
         entry_row: ``[E]`` index into ``rows`` per entry (non-decreasing).
         entry_ids: ``[E]`` global entry ids.
         entry_target: ``[E]`` target tokens.
+        context_only: no token of the unit is scored by any sequence (a prompt block).
     """
 
     tokens: torch.Tensor
@@ -63,6 +64,7 @@ class ExecNode:
     entry_row: torch.Tensor = None  # type: ignore[assignment]
     entry_ids: torch.Tensor = None  # type: ignore[assignment]
     entry_target: torch.Tensor = None  # type: ignore[assignment]
+    context_only: bool = False
 
 
 def plan(forest: PrefixForest, block_size: int | None = None) -> tuple[list[ExecNode], list[int]]:
@@ -95,6 +97,7 @@ def plan(forest: PrefixForest, block_size: int | None = None) -> tuple[list[Exec
                 entry_row=inverse.reshape(-1),
                 entry_ids=entry_ids[lo:hi],
                 entry_target=node.entry_target[lo:hi],
+                context_only=node.start + b1 <= node.first_scored,
             )
             idx = len(units)
             units.append(unit)
@@ -148,6 +151,10 @@ class TreeExecutor:
         head_chunk_elems: at most this many logits (rows x vocab) exist at once.
         score_batch_tokens: ``score`` runs sibling leaves as one batch while batch x (context +
             longest leaf) stays under this.
+        prompt_grad: ``"exact"`` (default): gradients pass through every token. ``"none"``: the
+            truncated gradient of LongStraw (arXiv 2607.14952): context that no sequence scores
+            (prompts) runs without autograd and its hidden states and keys/values are constants;
+            only the LM head still gets the gradient of the first scored token it predicts.
 
     Raises:
         UnsupportedModelError: for models it cannot run in this mode, naming the alternative.
@@ -162,11 +169,19 @@ class TreeExecutor:
         temperature: float = 1.0,
         head_chunk_elems: int = 1 << 25,
         score_batch_tokens: int = 1 << 15,
+        prompt_grad: str = "exact",
     ) -> None:
         if mode not in _MODES:
             raise ValueError(f"mode={mode!r} is not one of {_MODES}")
         if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
             raise ValueError(f"block_size={block_size!r} must be a positive integer or None")
+        if prompt_grad not in ("exact", "none"):
+            raise ValueError(f"prompt_grad={prompt_grad!r} must be 'exact' or 'none'")
+        if prompt_grad == "none" and mode == "packed":
+            raise ValueError(
+                "prompt_grad='none' needs the prompt to run separately from the responses: use mode='keep' or "
+                "mode='replay'"
+            )
         if not (isinstance(temperature, (int, float)) and temperature > 0 and math.isfinite(temperature)):
             raise ValueError(f"temperature={temperature!r} must be a positive finite number")
         self.adapter = ModelAdapter(model)
@@ -176,6 +191,7 @@ class TreeExecutor:
         self.temperature = float(temperature)
         self.head_chunk_elems = head_chunk_elems
         self.score_batch_tokens = score_batch_tokens
+        self.prompt_grad = prompt_grad
         if mode == "packed":
             self._check_packed()
         self._warned_checkpointing = False
@@ -292,6 +308,14 @@ class TreeExecutor:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not isinstance(forest, PrefixForest):
             raise TypeError(f"expected a PrefixForest, got {type(forest).__name__}")
+        limit = getattr(self.adapter.config, "max_position_embeddings", None)
+        longest = max(forest.lengths)
+        if limit is not None and longest > limit:
+            s = forest.lengths.index(longest)
+            raise ValueError(
+                f"sequence {s} has {longest} tokens but {type(self.adapter.base).__name__} supports "
+                f"max_position_embeddings={limit}: truncate the rollouts or raise the model's context length"
+            )
         lp = torch.zeros(forest.num_entries, dtype=self._dtype, device=self._device)
         ent = torch.zeros_like(lp) if entropy else None
         with self.adapter.checkpointing_off() as was_on:
@@ -330,19 +354,24 @@ class TreeExecutor:
                 # Keep mode forwards with grad once, on the way down. Replay forwards without grad
                 # here and again with grad on the way up, except for leaves, whose way up follows
                 # at once and which hand no cache down.
-                direct = grad and (not replay or not unit.children)
-                if save_rng and not direct:
+                frozen = grad and unit.context_only and self.prompt_grad == "none"
+                direct = grad and not frozen and (not replay or not unit.children)
+                if save_rng and not direct and not frozen:
                     frame.rng = _get_rng(device)
                 with torch.set_grad_enabled(direct):
                     hidden, kv = self._forward_unit(unit, past, past_len)
                 if direct:
                     frame.hidden_rows, frame.hidden_grad = self._head(unit, hidden, lp, ent, coef, grad=True)
                     frame.kv = kv
+                elif frozen:
+                    # Truncated gradient: the head still learns from the rows, nothing flows further.
+                    self._head(unit, hidden, lp, ent, coef, grad=True)
+                    frame.kv = kv
                 elif not grad:
                     self._head(unit, hidden, lp, ent, None, grad=False)
                 del hidden
                 if unit.children:
-                    leaves = kv.detached(requires_grad=grad)
+                    leaves = kv.detached(requires_grad=grad and not frozen)
                     frame.leaves = leaves
                     for i in range(self.adapter.num_layers):
                         past[i].append(leaves.layers[i])

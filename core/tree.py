@@ -36,6 +36,8 @@ class TreeNode:
         entry_row: ``[num_entries]`` index into ``rows`` for each entry of the node.
         entry_target: ``[num_entries]`` token each entry scores.
         entry_offset: global index of the node's first entry (entries of a node are contiguous).
+        first_scored: smallest ``score_from`` among the sequences through the node: the node is
+            pure context (a prompt) when ``end <= first_scored``.
     """
 
     index: int
@@ -48,6 +50,7 @@ class TreeNode:
     entry_row: torch.Tensor | None = None
     entry_target: torch.Tensor | None = None
     entry_offset: int = 0
+    first_scored: int = 0
 
     @property
     def end(self) -> int:
@@ -249,6 +252,7 @@ class PrefixForest:
             for c in node.children:
                 m = min(m, min_score[c])
             min_score[node.index] = m
+            node.first_scored = int(m)
 
         offset = 0
         for node in self.nodes:

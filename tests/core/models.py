@@ -14,6 +14,8 @@ from transformers import (
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
     Qwen3NextConfig,
     Qwen3NextForCausalLM,
 )
@@ -22,7 +24,7 @@ VOCAB = 61
 
 
 def make_model(name: str, dtype: torch.dtype = torch.float64, attn: str = "sdpa", seed: int = 0, **over):
-    """A tiny causal LM by name: llama-mha, llama-gqa, llama-mqa, qwen2, mistral-swa, gemma2, lfm2, qwen3next."""
+    """A tiny causal LM by name: llama-mha, llama-gqa, llama-mqa, qwen2, qwen3, mistral-swa, gemma2, lfm2, qwen3next."""
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, max_position_embeddings=512)
     common.update(over)
@@ -33,6 +35,9 @@ def make_model(name: str, dtype: torch.dtype = torch.float64, attn: str = "sdpa"
     elif name == "qwen2":
         cfg = Qwen2Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, **common)
         cls = Qwen2ForCausalLM
+    elif name == "qwen3":
+        cfg = Qwen3Config(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, **common)
+        cls = Qwen3ForCausalLM
     elif name == "mistral-swa":
         cfg = MistralConfig(
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, sliding_window=6, **common

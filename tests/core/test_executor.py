@@ -20,7 +20,7 @@ STATE_CASES = [("keep", None), ("replay", 1), ("replay", 7)]
 
 MODEL_CASES = (
     [("llama-gqa", f, m, b) for f in FORESTS for m, b in ATTENTION_CASES]
-    + [(name, "deep", m, b) for name in ("llama-mha", "llama-mqa", "qwen2") for m, b in ATTENTION_CASES]
+    + [(name, "deep", m, b) for name in ("llama-mha", "llama-mqa", "qwen2", "qwen3") for m, b in ATTENTION_CASES]
     + [(name, "deep", m, b) for name in ("mistral-swa", "gemma2") for m, b in STATE_CASES]
     + [(name, f, m, b) for name in ("lfm2", "qwen3next") for f in ("grpo", "deep") for m, b in STATE_CASES]
 )
@@ -216,3 +216,82 @@ def test_bad_coefficients_lose_nothing():
     with pytest.raises(ValueError, match="exactly one"):
         ex.backward(forest)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_lm_head_runs_only_at_scored_rows_in_bounded_chunks():
+    model = make_model("llama-gqa")
+    seqs, sf = deep_tree()
+    forest = PrefixForest.build(seqs, sf)
+    c_lp, c_ent = _coefs(seqs, sf, 11)
+    rows_seen = []
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: rows_seen.append(i[0].shape[0]))
+    limit = 3 * model.config.vocab_size  # at most 3 rows of logits at once
+    try:
+        with Float64Mode():
+            lp_d, _, g_d = _dense(model, seqs, sf, c_lp, c_ent)
+            rows_seen.clear()
+            model.zero_grad(set_to_none=True)
+            res = TreeExecutor(model, head_chunk_elems=limit).backward(forest, c_lp, c_ent)
+    finally:
+        hook.remove()
+    assert max(rows_seen) <= 3
+    # Each distinct predicting position is evaluated once (shared tokens are not repeated).
+    assert sum(rows_seen) == sum(len(n.rows) for n in forest.nodes) < forest.scored_tokens
+    assert max_rel_err(res.logprobs, lp_d) < TOL
+    assert max_rel_err(grads(model), g_d) < TOL
+
+
+def test_sequence_longer_than_the_model_is_refused():
+    model = make_model("llama-gqa", max_position_embeddings=16)
+    forest = PrefixForest.build([list(range(10)), list(range(20))], [5, 5])
+    with pytest.raises(ValueError, match="sequence 1 has 20 tokens.*max_position_embeddings=16"):
+        TreeExecutor(model).score(forest)
+
+
+@pytest.mark.parametrize("name,mode,block", [("llama-gqa", "keep", None), ("llama-gqa", "replay", 3), ("lfm2", "replay", 4)])
+def test_prompt_grad_none_is_the_truncated_gradient(name, mode, block):
+    """prompt_grad='none' equals the plain computation with the prompt's activations held constant."""
+    from transformers import DynamicCache
+
+    model = make_model(name)
+    seqs, sf = grpo_group(prompt=9, group=3)
+    P = sf[0]
+    c_lp, c_ent = _coefs(seqs, sf, 12)
+    forest = PrefixForest.build(seqs, sf)
+    with Float64Mode():
+        model.zero_grad(set_to_none=True)
+        prompt = torch.as_tensor(seqs[0][:P])[None]
+        with torch.no_grad():
+            out = model.model(input_ids=prompt, use_cache=True)
+        h_last = out.last_hidden_state[0, -1].detach()
+        total = 0
+        for seq, cl, ce in zip(seqs, c_lp, c_ent, strict=True):
+            cache = DynamicCache(config=model.config)
+            with torch.no_grad():
+                model.model(input_ids=prompt, cache=cache, use_cache=True)  # a fresh constant cache
+            comp = torch.as_tensor(seq[P:])[None]
+            pos = torch.arange(P, len(seq))[None]
+            h = model.model(input_ids=comp, position_ids=pos, cache=cache, use_cache=True).last_hidden_state[0]
+            logits = model.lm_head(torch.cat([h_last[None], h[:-1]]))
+            logp = torch.log_softmax(logits, -1)
+            lp = logp.gather(-1, comp[0, :, None])[:, 0]
+            ent = -(logp.exp() * logp).sum(-1)
+            total = total + (lp * cl).sum() + (ent * ce).sum()
+        total.backward()
+        g_ref = grads(model)
+        model.zero_grad(set_to_none=True)
+        TreeExecutor(model, mode=mode, block_size=block, prompt_grad="none").backward(forest, c_lp, c_ent)
+        g_t = grads(model)
+        model.zero_grad(set_to_none=True)
+        TreeExecutor(model, mode=mode, block_size=block).backward(forest, c_lp, c_ent)
+        g_exact = grads(model)
+    assert max_rel_err(g_t, g_ref) < TOL
+    assert max_rel_err(g_exact, g_ref) > 1e-6  # the exact gradient really differs
+
+
+def test_prompt_grad_option_is_validated():
+    model = make_model("llama-gqa")
+    with pytest.raises(ValueError, match="prompt_grad"):
+        TreeExecutor(model, prompt_grad="some")
+    with pytest.raises(ValueError, match="mode='keep'"):
+        TreeExecutor(model, mode="packed", prompt_grad="none")

@@ -1,0 +1,170 @@
+"""Long-context replay: GRPO on very long prompts, memory independent of the group size.
+
+One prompt of P tokens and G responses of R tokens. forkrl runs the prompt without autograd in
+blocks, keeps only its keys/values, trains the responses one at a time (adding their gradient into
+the prompt's cache) and finally replays the prompt block by block in reverse with grad
+(TreeExecutor(mode="replay", prompt_grad="exact")); "none" drops the prompt's gradient (the
+truncated gradient of LongStraw, arXiv 2607.14952). Dense trains each prompt+response sequence
+plainly (one sequence per micro-batch). Each method runs in its own process, so its peak RSS is its
+own. Prints a table, then one line of JSON.
+
+    .venv/bin/python benchmarks/long_context.py --P 4096,16384 --G 2,8                 # minutes
+    .venv/bin/python benchmarks/long_context.py --P 16384,65536 --G 2,8 --methods exact,none
+    .venv/bin/python benchmarks/long_context.py --find-max --budget-gib 16           # longest prompt that fits
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import SavedBytes, machine  # noqa: E402
+
+from forkrl.core import PrefixForest, TreeExecutor  # noqa: E402
+
+# A tiny GQA Llama: keys/values are small next to activations, as in real long-context models.
+TINY = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1)
+
+
+def make_model(vocab: int, max_pos: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, max_position_embeddings=max_pos, **TINY)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg)
+
+
+def batch(P: int, G: int, R: int, vocab: int):
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (P,), generator=g)
+    seqs = [torch.cat([prompt, torch.randint(0, vocab, (R,), generator=g)]) for _ in range(G)]
+    coefs = [torch.randn(R, generator=g) / (G * R) for _ in range(G)]
+    return seqs, [P] * G, coefs
+
+
+def run_one(method: str, P: int, G: int, R: int, block: int, vocab: int) -> dict:
+    """One method on one configuration, in this process (called in a child process)."""
+    model = make_model(vocab, P + R + 1)
+    seqs, sf, coefs = batch(P, G, R, vocab)
+    meter = SavedBytes()
+    base_rss = _rss()
+    t0 = time.perf_counter()
+    with meter.measure():
+        if method == "dense":
+            for seq, s, c in zip(seqs, sf, coefs, strict=True):
+                logits = model(input_ids=seq[None], logits_to_keep=R + 1).logits[0, :-1]
+                lp = torch.log_softmax(logits.float(), -1).gather(-1, seq[s:, None])[:, 0]
+                (lp * c).sum().backward()
+        else:
+            forest = PrefixForest.build(seqs, sf)
+            ex = TreeExecutor(model, mode="replay", block_size=block, prompt_grad=method)
+            ex.backward(forest, coefs)
+    seconds = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {
+        "method": method,
+        "P": P,
+        "G": G,
+        "seconds": seconds,
+        "saved_peak_mb": meter.peak / 2**20,
+        "peak_rss_mb": peak / 2**20,
+        "base_rss_mb": base_rss / 2**20,
+    }
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def in_child(method: str, P: int, G: int, args, limit_gib: float | None = None) -> dict | None:
+    cmd = [sys.executable, __file__, "--one", f"{method}:{P}:{G}", "--R", str(args.R), "--block-size", str(args.block_size)]
+    if limit_gib:
+        # An address-space limit makes an over-budget run fail fast instead of swapping.
+        cmd = ["bash", "-c", f"ulimit -v {int(limit_gib * 2**20)}; exec " + " ".join(cmd)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def find_max(method: str, args) -> int:
+    """Doubling then bisection on P (multiples of 1024) under an address-space budget."""
+    lo, hi, P = 0, None, 4096
+    while hi is None:
+        print(f"  {method}: trying P={P}", file=sys.stderr, flush=True)
+        if in_child(method, P, args.G_max, args, args.budget_gib):
+            lo, P = P, P * 2
+        else:
+            hi = P
+        if P > args.max_search:
+            return lo
+    while hi - lo > max(1024, lo // 8):
+        mid = (lo + hi) // 2 // 1024 * 1024
+        print(f"  {method}: trying P={mid}", file=sys.stderr, flush=True)
+        if in_child(method, mid, args.G_max, args, args.budget_gib):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--P", default="4096,16384")
+    ap.add_argument("--G", default="2,8")
+    ap.add_argument("--R", type=int, default=512)
+    ap.add_argument("--block-size", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--methods", default="dense,exact,none")
+    ap.add_argument("--find-max", action="store_true", help="search the longest prompt within --budget-gib")
+    ap.add_argument("--budget-gib", type=float, default=16.0)
+    ap.add_argument("--G-max", dest="G_max", type=int, default=8, help="group size for --find-max")
+    ap.add_argument("--max-search", type=int, default=1 << 21)
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        method, P, G = args.one.split(":")
+        print(json.dumps(run_one(method, int(P), int(G), args.R, args.block_size, args.vocab)))
+        return
+
+    rows = []
+    methods = args.methods.split(",")
+    if args.find_max:
+        for m in methods:
+            rows.append({"method": m, "max_P": find_max(m, args), "G": args.G_max, "budget_gib": args.budget_gib})
+        print("| method | G | longest prompt in budget |\n|---|---|---|")
+        for r in rows:
+            print(f"| {r['method']} | {r['G']} | {r['max_P']} |")
+    else:
+        for P in (int(x) for x in args.P.split(",")):
+            for G in (int(x) for x in args.G.split(",")):
+                for m in methods:
+                    r = in_child(m, P, G, args)
+                    if r is None:
+                        r = {"method": m, "P": P, "G": G, "failed": True}
+                    print(f"  {m} P={P} G={G}: {r}", file=sys.stderr, flush=True)
+                    rows.append(r)
+        print("| P | G | method | seconds | peak saved MB | peak RSS MB |\n|---|---|---|---|---|---|")
+        for r in rows:
+            if r.get("failed"):
+                print(f"| {r['P']} | {r['G']} | {r['method']} | failed | - | - |")
+            else:
+                print(
+                    f"| {r['P']} | {r['G']} | {r['method']} | {r['seconds']:.1f} | {r['saved_peak_mb']:.1f} | "
+                    f"{r['peak_rss_mb']:.0f} |"
+                )
+    print(json.dumps({"benchmark": "long_context", "machine": machine(), "args": vars(args), "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

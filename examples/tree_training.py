@@ -1,0 +1,157 @@
+"""GRPO with prefix-tree training on a synthetic task, on the CPU in a few minutes.
+
+Each step samples G completions for each of a few long prompts, rewards completions by how often
+they use a target token, and takes one GRPO step (token-level clipped objective, DAPO token-mean
+normalisation). The step's gradient is computed once depth-first over the prefix tree
+(forkrl.core.TreeExecutor, through the objective bridge) and, on the first step, also the plain
+per-sequence way, to show that both agree and how much faster the tree is. The reward rises as the
+policy learns.
+
+    bash scripts/setup.sh run && .venv/bin/python examples/tree_training.py
+    .venv/bin/python examples/tree_training.py --steps 30 --prompt-len 1024 --group 16
+    .venv/bin/python examples/tree_training.py --model Qwen/Qwen2.5-0.5B-Instruct --device cuda  # a real model
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+import torch
+
+from forkrl.core import PrefixForest, TreeExecutor
+from forkrl.core.objective import backward_loss, pad
+
+log = logging.getLogger("tree_training")
+
+
+def build_model(args):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    if args.model:
+        return AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(args.device)
+    cfg = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=64,
+        intermediate_size=172,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
+    torch.manual_seed(args.seed)
+    return LlamaForCausalLM(cfg).to(args.device)
+
+
+def grpo_loss(advantages: torch.Tensor, old: torch.Tensor, eps: float = 0.2):
+    """Token-level clipped GRPO loss on padded ``[B, T]`` log-probs (DAPO token-mean).
+
+    Args:
+        advantages: ``[B]`` group-normalised advantages.
+        old: ``[B, T]`` log-probs of the sampling policy.
+    """
+
+    def loss_fn(logprobs, entropies, mask):
+        ratio = torch.exp(logprobs - old.to(logprobs.dtype))
+        adv = advantages.to(logprobs.dtype)[:, None]
+        per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
+        return (per_token * mask).sum() / mask.sum()
+
+    return loss_fn
+
+
+def dense_backward(model, seqs, score_from, loss_fn):
+    """The plain path: each sequence forwarded on its own, log-probs padded, host loss, backward."""
+    lps = []
+    for seq, sf in zip(seqs, score_from, strict=True):
+        logits = model(input_ids=seq[None]).logits[0, sf - 1 : -1].float()
+        lps.append(torch.log_softmax(logits, -1).gather(-1, seq[sf:, None])[:, 0])
+    lp, mask = pad(lps)
+    loss = loss_fn(lp, None, mask)
+    loss.backward()
+    return loss.detach()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a Hugging Face model name (default: a tiny Llama built here)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--prompts", type=int, default=2, help="prompts per step")
+    ap.add_argument("--group", type=int, default=8, help="completions per prompt (G)")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--max-new", type=int, default=24)
+    ap.add_argument("--vocab", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--mode", default="keep", choices=["keep", "replay", "packed"])
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    model = build_model(args)
+    vocab = model.config.vocab_size
+    target = 7 % vocab  # the rewarded token
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    executor = TreeExecutor(model, mode=args.mode)
+    gen = torch.Generator().manual_seed(args.seed)
+    first_reward = last_reward = None
+    for step in range(args.steps):
+        # --- rollout: G samples per prompt, the prompts shared within each group
+        model.eval()
+        seqs, score_from, rewards = [], [], []
+        for _ in range(args.prompts):
+            prompt = torch.randint(0, vocab, (args.prompt_len,), generator=gen).to(args.device)
+            with torch.no_grad():
+                out = model.generate(
+                    prompt[None].expand(args.group, -1),
+                    attention_mask=torch.ones(args.group, args.prompt_len, dtype=torch.long, device=args.device),
+                    do_sample=True,
+                    max_new_tokens=args.max_new,
+                    min_new_tokens=args.max_new,
+                    pad_token_id=0,
+                )
+            for row in out:
+                comp = row[args.prompt_len :]
+                seqs.append(row)
+                score_from.append(args.prompt_len)
+                rewards.append((comp == target).float().mean())
+        rewards_t = torch.stack(rewards).view(args.prompts, args.group)
+        adv = ((rewards_t - rewards_t.mean(1, keepdim=True)) / (rewards_t.std(1, keepdim=True) + 1e-4)).view(-1)
+
+        # --- training step over the prefix tree
+        model.train()
+        forest = PrefixForest.build(seqs, score_from)
+        old = pad(executor.score(forest).logprobs)[0]  # on-policy: the sampling policy's log-probs
+        loss_fn = grpo_loss(adv, old)
+        opt.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        res = backward_loss(executor, forest, loss_fn, token_local=True, fill=old)
+        tree_s = time.perf_counter() - t0
+        if step == 0:
+            tree_grads = [p.grad.clone() for p in model.parameters()]
+            opt.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            dense_loss = dense_backward(model, seqs, score_from, loss_fn)
+            dense_s = time.perf_counter() - t0
+            err = max(
+                float((a - p.grad).norm() / (p.grad.norm() + 1e-30))
+                for a, p in zip(tree_grads, model.parameters(), strict=True)
+            )
+            log.info(
+                "step 0: %s; tree step %.2fs vs dense %.2fs (%.2fx); loss %.6f vs %.6f; max relative "
+                "gradient difference %.1e (float32)",
+                forest, tree_s, dense_s, dense_s / tree_s, float(res.loss), float(dense_loss), err,
+            )
+            for a, p in zip(tree_grads, model.parameters(), strict=True):
+                p.grad = a
+        opt.step()
+        mean_reward = float(rewards_t.mean())
+        first_reward = mean_reward if first_reward is None else first_reward
+        last_reward = mean_reward
+        log.info("step %2d  reward %.3f  loss %+.4f  tree step %.2fs", step, mean_reward, float(res.loss), tree_s)
+    log.info("reward: first step %.3f -> last step %.3f", first_reward, last_reward)
+
+
+if __name__ == "__main__":
+    main()
