@@ -61,7 +61,9 @@ class SavedBytes:
         self.peak = 0
 
     def _pack(self, t: torch.Tensor):
-        box = _Box(t)
+        # Keep the data only: holding the tensor itself (with its grad_fn) would make a saved
+        # output reference its own graph node, a cycle that keeps untraversed graphs alive.
+        box = _Box(t.detach())
         n = t.numel() * t.element_size()
         self.current += n
         self.peak = max(self.peak, self.current)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from . import attention as tree_attention
 from .models import ModelAdapter, NodeKV, UnsupportedModelError
 from .tree import PrefixForest
 
@@ -155,6 +156,9 @@ class TreeExecutor:
             truncated gradient of LongStraw (arXiv 2607.14952): context that no sequence scores
             (prompts) runs without autograd and its hidden states and keys/values are constants;
             only the LM head still gets the gradient of the first scored token it predicts.
+        split_attention: on the CPU with sdpa, run each node's attention as an unmasked part over
+            the ancestors' cache and a causal part over itself (:mod:`forkrl.core.attention`), so no
+            ``[node, context]`` mask is built or kept for backward. False: the model's own attention.
 
     Raises:
         UnsupportedModelError: for models it cannot run in this mode, naming the alternative.
@@ -170,6 +174,7 @@ class TreeExecutor:
         head_chunk_elems: int = 1 << 25,
         score_batch_tokens: int = 1 << 15,
         prompt_grad: str = "exact",
+        split_attention: bool = True,
     ) -> None:
         if mode not in _MODES:
             raise ValueError(f"mode={mode!r} is not one of {_MODES}")
@@ -192,6 +197,7 @@ class TreeExecutor:
         self.head_chunk_elems = head_chunk_elems
         self.score_batch_tokens = score_batch_tokens
         self.prompt_grad = prompt_grad
+        self.split_attention = split_attention
         if mode == "packed":
             self._check_packed()
         self._warned_checkpointing = False
@@ -328,7 +334,9 @@ class TreeExecutor:
             if self.mode == "packed":
                 self._run_packed(forest, grad, lp, ent, coef)
             else:
-                self._run_dfs(forest, grad, lp, ent, coef)
+                split = self.split_attention and self.adapter.split_attention_ok(self._device)
+                with self.adapter.attention_implementation(tree_attention.NAME if split else None):
+                    self._run_dfs(forest, grad, lp, ent, coef)
         return lp, ent
 
     # ---- depth-first (keep / replay)

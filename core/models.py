@@ -315,6 +315,31 @@ class ModelAdapter:
             for m in mods:
                 m.gradient_checkpointing = True
 
+    def split_attention_ok(self, device: torch.device) -> bool:
+        """Whether :mod:`forkrl.core.attention` can replace the model's sdpa in tree passes."""
+        return (
+            device.type == "cpu"
+            and self.attn_implementation == "sdpa"
+            and all(k in ("full", "state") for k in self.layer_kinds)
+            and getattr(self.config, "attn_logit_softcapping", None) is None
+        )
+
+    @contextlib.contextmanager
+    def attention_implementation(self, name: str | None) -> Iterator[None]:
+        """Use attention implementation ``name`` for the duration (None: leave the model's)."""
+        if name is None:
+            yield
+            return
+        configs = list({id(c): c for c in (self.base.config, self.config)}.values())
+        old = [c._attn_implementation for c in configs]
+        for c in configs:
+            c._attn_implementation = name
+        try:
+            yield
+        finally:
+            for c, o in zip(configs, old, strict=True):
+                c._attn_implementation = o
+
     def has_dropout(self) -> bool:
         """Whether a forward in the current mode draws random numbers (training with dropout > 0)."""
         if not self.model.training:

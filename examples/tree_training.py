@@ -145,11 +145,12 @@ def main() -> None:
             )
             for a, p in zip(tree_grads, model.parameters(), strict=True):
                 p.grad = a
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
         opt.step()
         mean_reward = float(rewards_t.mean())
         first_reward = mean_reward if first_reward is None else first_reward
         last_reward = mean_reward
-        log.info("step %2d  reward %.3f  loss %+.4f  tree step %.2fs", step, mean_reward, float(res.loss), tree_s)
+        log.info("step %2d  reward %.3f  |grad| %.2e  tree step %.2fs", step, mean_reward, grad_norm, tree_s)
     log.info("reward: first step %.3f -> last step %.3f", first_reward, last_reward)
 
 

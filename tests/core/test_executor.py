@@ -295,3 +295,32 @@ def test_prompt_grad_option_is_validated():
         TreeExecutor(model, prompt_grad="some")
     with pytest.raises(ValueError, match="mode='keep'"):
         TreeExecutor(model, mode="packed", prompt_grad="none")
+
+
+def test_split_attention_is_used_and_exact(monkeypatch):
+    """The mask-free CPU attention runs in tree passes, matches dense, and leaves the config as it was."""
+    import forkrl.core.attention as attn
+
+    calls = {"split": 0}
+    real = attn._SplitAttention.apply
+
+    def counting(*args):
+        calls["split"] += 1
+        return real(*args)
+
+    monkeypatch.setattr(attn._SplitAttention, "apply", counting)
+    monkeypatch.setattr(attn, "MIN_SPLIT_ELEMENTS", 0)  # split even these tiny nodes
+    model = make_model("llama-gqa")
+    seqs, sf = deep_tree()
+    c_lp, c_ent = _coefs(seqs, sf, 13)
+    forest = PrefixForest.build(seqs, sf)
+    with Float64Mode():
+        lp_d, _, g_d = _dense(model, seqs, sf, c_lp, c_ent)
+        for split in (True, False):
+            calls["split"] = 0
+            model.zero_grad(set_to_none=True)
+            res = TreeExecutor(model, mode="replay", block_size=3, split_attention=split).backward(forest, c_lp, c_ent)
+            assert max_rel_err(res.logprobs, lp_d) < TOL
+            assert max_rel_err(grads(model), g_d) < TOL
+            assert (calls["split"] > 0) == split
+    assert model.config._attn_implementation == "sdpa"
