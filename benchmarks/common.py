@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import platform
 import time
-import weakref
-from contextlib import contextmanager
 
 import torch
+
+from forkrl.core.testing import SavedBytes  # noqa: F401  (re-exported for the benchmark scripts)
 
 try:
     import psutil
@@ -47,48 +47,6 @@ def flops_per_token(name: str) -> tuple[float, float, float]:
     linear = 2 * layers * (hidden * hidden * 2 + 2 * hidden * kv * head_dim + 3 * hidden * inter)
     attn = layers * 4 * heads * head_dim  # QK^T and AV, per query per key
     return float(linear), float(attn), float(2 * hidden * vocab)
-
-
-class SavedBytes:
-    """Peak bytes held by autograd for backward (saved tensors), measured deterministically.
-
-    Every tensor autograd saves is wrapped in a box whose collection returns its bytes; storage
-    shared by several saved tensors counts once per save (an upper bound, the same for all methods).
-    """
-
-    def __init__(self) -> None:
-        self.current = 0
-        self.peak = 0
-
-    def _pack(self, t: torch.Tensor):
-        # Keep the data only: holding the tensor itself (with its grad_fn) would make a saved
-        # output reference its own graph node, a cycle that keeps untraversed graphs alive.
-        box = _Box(t.detach())
-        n = t.numel() * t.element_size()
-        self.current += n
-        self.peak = max(self.peak, self.current)
-        weakref.finalize(box, self._free, n)
-        return box
-
-    def _free(self, n: int) -> None:
-        self.current -= n
-
-    @staticmethod
-    def _unpack(box):
-        return box.t
-
-    @contextmanager
-    def measure(self):
-        self.current = self.peak = 0
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            yield self
-
-
-class _Box:
-    __slots__ = ("t", "__weakref__")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t = t
 
 
 def machine() -> dict:

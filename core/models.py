@@ -37,8 +37,8 @@ class UnsupportedModelError(ValueError):
     """The model cannot run on a prefix tree in the requested mode."""
 
 
-class _RecordingLayer(DynamicLayer):
-    """Full-attention layer that also keeps the keys/values of the current forward."""
+class _Recording:
+    """Cache-layer mixin that also keeps the keys/values of the current forward."""
 
     new_keys: torch.Tensor | None = None
     new_values: torch.Tensor | None = None
@@ -48,15 +48,12 @@ class _RecordingLayer(DynamicLayer):
         return super().update(key_states, value_states, *args, **kwargs)
 
 
-class _RecordingSlidingLayer(DynamicSlidingWindowLayer):
-    """Sliding-window layer that also keeps the keys/values of the current forward."""
+class _RecordingLayer(_Recording, DynamicLayer):
+    """Full-attention layer that records its new keys/values."""
 
-    new_keys: torch.Tensor | None = None
-    new_values: torch.Tensor | None = None
 
-    def update(self, key_states, value_states, *args, **kwargs):  # noqa: D102
-        self.new_keys, self.new_values = key_states, value_states
-        return super().update(key_states, value_states, *args, **kwargs)
+class _RecordingSlidingLayer(_Recording, DynamicSlidingWindowLayer):
+    """Sliding-window layer that records its new keys/values."""
 
 
 class _RecordingStateLayer(LinearAttentionLayer):

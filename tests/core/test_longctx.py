@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from forkrl.core import PrefixForest, TreeExecutor
-from forkrl.core.testing import Float64Mode
+from forkrl.core.testing import Float64Mode, SavedBytes
 
 from .models import dense_logprobs, grads, make_model, max_rel_err
 
@@ -47,33 +47,14 @@ def test_exact_prompt_gradient_with_blocks(name, block, split, monkeypatch):
 
 def _saved_peak(model, P, G, R, prompt_grad, block):
     """Peak bytes autograd holds for backward, over one backward pass."""
-    state = {"cur": 0, "peak": 0}
-    import weakref
-
-    class Box:
-        __slots__ = ("t", "__weakref__")
-
-        def __init__(self, t):
-            self.t = t
-
-    def free(n):
-        state["cur"] -= n
-
-    def pack(t):
-        n = t.numel() * t.element_size()
-        state["cur"] += n
-        state["peak"] = max(state["peak"], state["cur"])
-        box = Box(t.detach())  # the data only: no reference cycle through a saved output's grad_fn
-        weakref.finalize(box, free, n)
-        return box
-
     seqs, sf, coefs = _long_group(P, G, R, model.config.vocab_size, seed=1, vary=False)
     coefs = [c.float() for c in coefs]
     forest = PrefixForest.build(seqs, sf)
     ex = TreeExecutor(model, mode="replay", block_size=block, prompt_grad=prompt_grad)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda b: b.t):
+    meter = SavedBytes()
+    with meter.measure():
         ex.backward(forest, coefs)
-    return state["peak"]
+    return meter.peak
 
 
 @pytest.mark.parametrize("prompt_grad", ["exact", "none"])
