@@ -2,6 +2,15 @@
 
 from .executor import ScoreResult, TreeExecutor
 from .models import UnsupportedModelError
+from .objective import ObjectiveResult, backward_loss
 from .tree import PrefixForest, TreeNode
 
-__all__ = ["PrefixForest", "ScoreResult", "TreeExecutor", "TreeNode", "UnsupportedModelError"]
+__all__ = [
+    "ObjectiveResult",
+    "PrefixForest",
+    "ScoreResult",
+    "TreeExecutor",
+    "TreeNode",
+    "UnsupportedModelError",
+    "backward_loss",
+]

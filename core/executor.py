@@ -31,7 +31,7 @@ from .tree import PrefixForest
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ExecNode", "ScoreResult", "TreeExecutor", "CoefficientFn"]
+__all__ = ["CoefficientFn", "ExecNode", "ScoreResult", "TreeExecutor", "UnsupportedModelError", "plan"]
 
 # (entry_ids [E], logprobs [E], entropies [E] or None) -> (d loss/d logprob [E], d loss/d entropy [E] or None)
 CoefficientFn = Callable[
@@ -598,5 +598,3 @@ def _restore_rng(state, device: torch.device):
             torch.cuda.set_rng_state(state[1][0], device)
         yield
 
-
-__all__ += ["plan", "UnsupportedModelError"]
