@@ -49,6 +49,16 @@ def flops_per_token(name: str) -> tuple[float, float, float]:
     return float(linear), float(attn), float(2 * hidden * vocab)
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (VmHWM). Unlike ``ru_maxrss``, which Linux carries over
+    from the parent across fork and exec, it starts afresh in a new program."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def machine() -> dict:
     import transformers
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SavedBytes, flops_per_token, machine, make_llama, timed  # noqa: E402
+from common import SavedBytes, flops_per_token, machine, make_llama, peak_rss_bytes, timed  # noqa: E402
 
 from forkrl.core import PrefixForest, TreeExecutor  # noqa: E402
 
@@ -141,7 +140,7 @@ def one(spec: str, args) -> None:
     else:
         ex = TreeExecutor(model, mode=method, block_size=args.block_size if method == "replay" else None)
         ex.backward(forest, coefs)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_bytes()
     print(json.dumps({"method": method, "rss_before_mb": before / 2**20, "peak_rss_mb": peak / 2**20}))
 
 
