@@ -76,6 +76,11 @@ def machine() -> dict:
 
 
 def timed(fn):
+    """(seconds, result) of ``fn()``; waits for queued GPU work on both sides of the clock."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     out = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return time.perf_counter() - t0, out

@@ -56,13 +56,13 @@ def dense_step(model, seqs, score_from, coefs, max_tokens: int, grad: bool):
     mb = max(1, max_tokens // length)
     out = []
     for i in range(0, len(seqs), mb):
-        ids = torch.stack(seqs[i : i + mb])
+        ids = torch.stack(seqs[i : i + mb]).to(model.device)
         sf = score_from[i]
         with torch.set_grad_enabled(grad):
             logits = model(input_ids=ids, logits_to_keep=length - sf + 1).logits[:, :-1]
             lp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, sf:, None])[..., 0]
             if grad:
-                (lp * torch.stack(coefs[i : i + mb])).sum().backward()
+                (lp * torch.stack(coefs[i : i + mb]).to(lp.device)).sum().backward()
         out.append(lp.detach())
     return out
 
@@ -157,6 +157,7 @@ def main() -> None:
     ap.add_argument("--score-only", action="store_true", help="only the scoring comparison")
     ap.add_argument("--skip", default="", help="semicolon list of model:P:G:method to skip, e.g. small:8192:8:dense")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the executor follows the model's device)")
     ap.add_argument("--isolate", action="store_true", help="also measure each method's peak RSS in its own process")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -167,7 +168,7 @@ def main() -> None:
     skip = {tuple(s.split(":")) for s in args.skip.split(";") if s}
     rows = []
     for name in args.models.split(","):
-        model = make_llama(name)
+        model = make_llama(name).to(args.device)
         # Warm-up (allocator, kernels, lazy imports), so the first timed method is not penalised.
         w_seqs, w_sf, w_coefs = grpo_batch(64, 2, 16, model.config.vocab_size)
         dense_step(model, w_seqs, w_sf, w_coefs, args.dense_tokens, grad=True)
