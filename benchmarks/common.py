@@ -75,6 +75,15 @@ def machine() -> dict:
     return info
 
 
+def print_table(rows: list[dict], cols: list[tuple[str, str]]) -> None:
+    """Markdown table of the (key, format) columns that some row has; missing cells print '-'."""
+    cols = [(c, f) for c, f in cols if any(c in r for r in rows)]
+    print("| " + " | ".join(c for c, _ in cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(f.format(r[c]) if c in r else "-" for c, f in cols) + " |")
+
+
 def timed(fn):
     """(seconds, result) of ``fn()``; waits for queued GPU work on both sides of the clock."""
     if torch.cuda.is_available():

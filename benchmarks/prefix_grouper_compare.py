@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MODELS, SavedBytes, machine, make_llama, timed  # noqa: E402
+from common import MODELS, SavedBytes, machine, make_llama, print_table, timed  # noqa: E402
 from tree_training import dense_step, grpo_batch, ideal_flops  # noqa: E402
 
 from forkrl.core import PrefixForest, TreeExecutor  # noqa: E402
@@ -289,11 +289,7 @@ def main() -> None:
         ("keep_logprob_max_abs_diff", "{:.1e}"),
         ("prefix_grouper_logprob_max_abs_diff", "{:.1e}"),
     ]
-    cols = [(c, f) for c, f in cols if any(c in r for r in rows)]
-    print("| " + " | ".join(c for c, _ in cols) + " |")
-    print("|" + "---|" * len(cols))
-    for r in rows:
-        print("| " + " | ".join(f.format(r[c]) if c in r else "-" for c, f in cols) + " |")
+    print_table(rows, cols)
     try:
         from importlib.metadata import version
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SavedBytes, flops_per_token, machine, make_llama, peak_rss_bytes, timed  # noqa: E402
+from common import SavedBytes, flops_per_token, machine, make_llama, peak_rss_bytes, print_table, timed  # noqa: E402
 
 from forkrl.core import PrefixForest, TreeExecutor  # noqa: E402
 
@@ -210,11 +210,7 @@ def main() -> None:
         ("score_speedup", "{:.2f}"),
         ("score_achieved_over_ideal_token", "{:.2f}"),
     ]
-    cols = [(c, f) for c, f in cols if any(c in r for r in rows)]
-    print("| " + " | ".join(c for c, _ in cols) + " |")
-    print("|" + "---|" * len(cols))
-    for r in rows:
-        print("| " + " | ".join(f.format(r[c]) if c in r else "-" for c, f in cols) + " |")
+    print_table(rows, cols)
     print(json.dumps({"benchmark": "tree_training", "machine": machine(), "args": vars(args), "rows": rows}))
 
 

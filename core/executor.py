@@ -271,13 +271,9 @@ class TreeExecutor:
         return dt if dt in (torch.float32, torch.float64) else torch.float32
 
     @property
-    def _device(self) -> torch.device:
-        return self.adapter.head.weight.device
-
-    @property
     def device(self) -> torch.device:
         """The device the model's LM head lives on (where results are returned)."""
-        return self._device
+        return self.adapter.head.weight.device
 
     def _result(self, forest: PrefixForest, lp: torch.Tensor, ent: torch.Tensor | None) -> ScoreResult:
         return ScoreResult(
@@ -322,7 +318,7 @@ class TreeExecutor:
                 f"sequence {s} has {longest} tokens but {type(self.adapter.base).__name__} supports "
                 f"max_position_embeddings={limit}: truncate the rollouts or raise the model's context length"
             )
-        lp = torch.zeros(forest.num_entries, dtype=self._dtype, device=self._device)
+        lp = torch.zeros(forest.num_entries, dtype=self._dtype, device=self.device)
         ent = torch.zeros_like(lp) if entropy else None
         with self.adapter.checkpointing_off() as was_on:
             if was_on and not self._warned_checkpointing:
@@ -334,7 +330,7 @@ class TreeExecutor:
             if self.mode == "packed":
                 self._run_packed(forest, grad, lp, ent, coef)
             else:
-                split = self.split_attention and self.adapter.split_attention_ok(self._device)
+                split = self.split_attention and self.adapter.split_attention_ok(self.device)
                 with self.adapter.attention_implementation(tree_attention.NAME if split else None):
                     self._run_dfs(forest, grad, lp, ent, coef)
         return lp, ent
@@ -350,7 +346,7 @@ class TreeExecutor:
         frames: dict[int, _Frame] = {}
         # (op, unit or units): op 0 enters a unit, 1 leaves it, 2 scores a batch of sibling leaves.
         stack: list[tuple[int, object]] = [(0, r) for r in reversed(roots)]
-        device = self._device
+        device = self.device
         while stack:
             op, u = stack.pop()
             if op == 2:
@@ -442,7 +438,7 @@ class TreeExecutor:
         return batches[::-1]  # popped from a stack: keep length order
 
     def _score_leaves(self, batch: list[ExecNode], past, past_len: int, lp, ent) -> None:
-        device = self._device
+        device = self.device
         width = max(len(u.tokens) for u in batch)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         for b, u in enumerate(batch):
@@ -455,7 +451,7 @@ class TreeExecutor:
             self._head(u, hidden[b], lp, ent, None, grad=False)
 
     def _forward_unit(self, unit: ExecNode, past, past_len: int) -> tuple[torch.Tensor, NodeKV]:
-        device = self._device
+        device = self.device
         ids = unit.tokens.to(device).unsqueeze(0)
         pos = torch.arange(unit.start, unit.start + len(unit.tokens), device=device).unsqueeze(0)
         if past_len != unit.start:
@@ -531,7 +527,7 @@ class TreeExecutor:
 
     # ---- packed (tree attention mask)
     def _run_packed(self, forest, grad, lp, ent, coef) -> None:
-        device = self._device
+        device = self.device
         nodes = forest.nodes
         offsets = [0]
         for n in nodes:
