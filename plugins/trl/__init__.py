@@ -1,1 +1,19 @@
-"""TRL plugin for forkrl (not yet implemented; a later issue)."""
+"""forkrl for TRL: ``GRPOConfig`` / ``GRPOTrainer`` subclasses with tree training.
+
+    from forkrl.plugins.trl import GRPOConfig, GRPOTrainer
+    trainer = GRPOTrainer(model, reward_funcs, args=GRPOConfig(..., tree_packing=True), train_dataset=ds)
+
+Needs TRL (``pip install 'forkrl[trl]'``).
+"""
+
+try:
+    import trl  # noqa: F401
+except ImportError as err:  # pragma: no cover - exercised only without TRL
+    raise ImportError(
+        "forkrl.plugins.trl needs TRL: pip install 'forkrl[trl]' (trl>=1.16,<1.17 and peft)"
+    ) from err
+
+from .config import GRPOConfig
+from .trainer import GRPOTrainer
+
+__all__ = ["GRPOConfig", "GRPOTrainer"]

@@ -1,0 +1,167 @@
+"""forkrl's GRPOConfig: TRL's config plus the tree-training and long-context flags.
+
+The subclass only adds fields (precedent: TRL's ``experimental/gmpo``); every TRL field keeps its
+meaning and default. The trainer reads them (see :mod:`forkrl.plugins.trl.trainer`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from trl import GRPOConfig as _TRLGRPOConfig
+
+__all__ = ["FORKRL_FIELDS", "GRPOConfig", "TREE_MODES"]
+
+TREE_MODES = ("auto", "keep", "replay", "packed")
+_PROMPT_GRADS = ("exact", "none")
+
+
+@dataclass
+class GRPOConfig(_TRLGRPOConfig):
+    """TRL's :class:`trl.GRPOConfig` with forkrl's flags.
+
+    Parameters (forkrl's; all others are TRL's):
+        tree_packing: train all sequences of an optimizer step as one prefix forest.
+        tree_mode: ``"auto"``, ``"keep"``, ``"replay"`` or ``"packed"``.
+        tree_block_size: replay block size in tokens.
+        long_context_replay: run prompts without autograd, keep their cache, replay them with grad.
+        long_context_prompt_grad: ``"exact"`` or ``"none"``.
+    """
+
+    tree_packing: bool = field(
+        default=False,
+        metadata={
+            "help": "Train the sequences of each optimizer step (the union of its gradient-accumulation "
+            "micro-batches) as one prefix tree: GRPO groups, repeated completions and shared system prompts "
+            "compute their shared tokens once. The update equals stock TRL's."
+        },
+    )
+    tree_mode: str = field(
+        default="auto",
+        metadata={
+            "help": "How the tree is run. 'keep': each shared prefix is forwarded once and its activations kept "
+            "while its branches train (fastest). 'replay': prefixes run without grad and are re-forwarded in "
+            "blocks of tree_block_size tokens on the way back (memory of one block, like gradient "
+            "checkpointing). 'packed': one sequence with a tree attention mask (attention-only models). "
+            "'auto': replay when gradient_checkpointing is on, long_context_replay is set or a root-to-leaf "
+            "path is longer than tree_replay_threshold tokens; keep otherwise.",
+            "choices": list(TREE_MODES),
+        },
+    )
+    tree_block_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Block size in tokens for replay mode (default 2048): activation memory is that of one "
+            "block, whatever the prompt length or group size."
+        },
+    )
+    tree_replay_threshold: int = field(
+        default=16384,
+        metadata={"help": "tree_mode='auto' switches to replay when a root-to-leaf path has more tokens than this."},
+    )
+    long_context_replay: bool = field(
+        default=False,
+        metadata={
+            "help": "Long-context replay: each prompt runs without autograd in tree_block_size blocks, only its "
+            "key/value (or recurrent) cache is kept, responses train one at a time adding gradient into that "
+            "cache, then the prompt is replayed with grad in reverse. Memory does not grow with the group size. "
+            "Works with or without tree_packing (the update is stock TRL's either way)."
+        },
+    )
+    long_context_prompt_grad: str = field(
+        default="exact",
+        metadata={
+            "help": "'exact': the prompt's parameters get their exact gradient (stock TRL's update). 'none': the "
+            "prompt is a constant (LongStraw's truncated gradient; faster, not stock TRL's update).",
+            "choices": list(_PROMPT_GRADS),
+        },
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._validate_forkrl()
+
+    @property
+    def tree_enabled(self) -> bool:
+        """Whether training runs through forkrl's tree executor."""
+        return bool(self.tree_packing or self.long_context_replay)
+
+    def _validate_forkrl(self) -> None:
+        if not isinstance(self.tree_packing, bool):
+            raise ValueError(f"tree_packing must be True or False, got {self.tree_packing!r}")
+        if not isinstance(self.long_context_replay, bool):
+            raise ValueError(f"long_context_replay must be True or False, got {self.long_context_replay!r}")
+        if self.tree_mode not in TREE_MODES:
+            raise ValueError(f"tree_mode={self.tree_mode!r} is not one of {TREE_MODES}")
+        if self.tree_block_size is not None and (
+            isinstance(self.tree_block_size, bool) or not isinstance(self.tree_block_size, int) or self.tree_block_size < 1
+        ):
+            raise ValueError(f"tree_block_size={self.tree_block_size!r} must be a positive integer or None")
+        if not isinstance(self.tree_replay_threshold, int) or self.tree_replay_threshold < 1:
+            raise ValueError(f"tree_replay_threshold={self.tree_replay_threshold!r} must be a positive integer")
+        if self.long_context_prompt_grad not in _PROMPT_GRADS:
+            raise ValueError(
+                f"long_context_prompt_grad={self.long_context_prompt_grad!r} is not one of {_PROMPT_GRADS}"
+            )
+        if not self.tree_enabled:
+            changed = [
+                name
+                for name in ("tree_mode", "tree_block_size", "long_context_prompt_grad")
+                if getattr(self, name) != _DEFAULTS[name]
+            ]
+            if changed:
+                raise ValueError(
+                    f"{', '.join(changed)} set but tree_packing=False and long_context_replay=False, so it would have "
+                    "no effect: set tree_packing=True (or long_context_replay=True), or drop the setting"
+                )
+            return
+        if self.long_context_replay and self.tree_mode in ("keep", "packed"):
+            raise ValueError(
+                f"long_context_replay=True runs prompts in replay mode, which contradicts tree_mode="
+                f"{self.tree_mode!r}: use tree_mode='auto' or 'replay', or set long_context_replay=False"
+            )
+        if self.long_context_prompt_grad == "none" and not self.long_context_replay:
+            raise ValueError(
+                "long_context_prompt_grad='none' only applies with long_context_replay=True: set it, or keep "
+                "long_context_prompt_grad='exact'"
+            )
+        if self.fp16:
+            raise ValueError(
+                "tree_packing/long_context_replay do not support fp16 loss scaling (fp16=True): use bf16=True, or "
+                "turn tree training off"
+            )
+        if self.deepspeed or self.fsdp:
+            engine = "DeepSpeed" if self.deepspeed else "FSDP"
+            raise ValueError(
+                f"tree_packing/long_context_replay with {engine} is not supported yet (the tree pass computes "
+                "gradients outside the engine's hooks): use plain data parallel (accelerate launch, DDP), or turn "
+                "tree training off"
+            )
+
+    @classmethod
+    def from_trl(cls, args: _TRLGRPOConfig, **forkrl_fields: Any) -> GRPOConfig:
+        """A forkrl config from a stock ``trl.GRPOConfig`` (copied, not modified) plus forkrl's fields.
+
+        TRL's ``__post_init__`` already ran on ``args``; it is not run again (it is not idempotent),
+        only forkrl's validation runs.
+        """
+        unknown = set(forkrl_fields) - set(FORKRL_FIELDS)
+        if unknown:
+            raise TypeError(f"unknown forkrl option(s) {sorted(unknown)}; forkrl's options are {list(FORKRL_FIELDS)}")
+        new = copy.copy(args)
+        if not isinstance(new, cls):
+            new.__class__ = cls
+            for name in FORKRL_FIELDS:
+                setattr(new, name, _DEFAULTS[name])
+        for name, value in forkrl_fields.items():
+            setattr(new, name, value)
+        new._validate_forkrl()
+        return new
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.name not in {
+    g.name for g in dataclasses.fields(_TRLGRPOConfig)}}
+FORKRL_FIELDS = tuple(_DEFAULTS)

@@ -1,0 +1,197 @@
+"""Tiny, fully local TRL setups: a byte-level tokenizer, a tiny Llama saved to disk, a deterministic
+``rollout_func`` whose completions share openings, repeat and vary in length, and a runner that
+trains stock ``trl.GRPOTrainer`` and forkrl's plugin on the same rollouts."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+PAD, EOS = 256, 257
+VOCAB = 260
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer without merges, plus <pad> and <eos>."""
+    table = pre_tokenizers.ByteLevel.alphabet()
+    byte_map = {}
+    # ByteLevel's alphabet in byte order, as GPT-2's bytes_to_unicode.
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    for b, c in zip(bs, cs, strict=True):
+        byte_map[chr(c)] = b
+    assert set(byte_map) == set(table)
+    vocab = dict(byte_map)
+    vocab["<pad>"], vocab["<eos>"] = PAD, EOS
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+    return fast
+
+
+def save_tiny_llama(path: Path, seed: int = 0, **overrides: Any) -> str:
+    """A tiny Llama (GQA) and its tokenizer saved under ``path``; returns the path."""
+    torch.manual_seed(seed)
+    cfg = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    cfg.update(overrides)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).float()
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = EOS
+    model.save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+SYSTEM = "You are a careful assistant. Answer with letters only. "
+
+
+def prompt_dataset(n: int = 8, long: int = 0) -> Dataset:
+    """Prompts that share a system opening (cross-group prefix sharing); ``long`` pads them."""
+    words = ["apple", "banana", "cherry", "date", "elder", "fig", "grape", "hazel", "iris", "jade"]
+    prompts = [SYSTEM + (" context" * long) + f" Question {i}: spell {words[i % len(words)]}." for i in range(n)]
+    return Dataset.from_dict({"prompt": prompts})
+
+
+def make_rollout_func(tool_mask: bool = False, truncate_some: bool = False) -> Callable:
+    """Deterministic rollouts: completion k of a prompt starts with the group's shared opening cut at a
+    k-dependent point, k=0 and k=1 are identical, lengths vary, most end with EOS."""
+
+    def rollout(prompts: list[str], trainer) -> dict[str, Any]:
+        tok = trainer.processing_class
+        seen: dict[str, int] = {}
+        out: dict[str, Any] = {"prompt_ids": [], "completion_ids": [], "logprobs": None}
+        env_masks = []
+        for p in prompts:
+            k = seen.get(p, 0)
+            seen[p] = k + 1
+            ids = tok(p, add_special_tokens=False)["input_ids"]
+            rng = random.Random(sum(ids) * 31 + 7)
+            opening = [rng.randrange(97, 123) for _ in range(12)]
+            kk = 0 if k == 1 else k
+            r = random.Random(sum(ids) * 131 + kk)
+            cut = (0, 4, 8, 12)[kk % 4]
+            tail = [r.randrange(97, 123) for _ in range(r.randrange(1, 9))]
+            comp = opening[:cut] + tail
+            max_len = trainer.max_completion_length
+            ends = not (truncate_some and kk % 3 == 2)
+            comp = comp[: max_len - 1] + [EOS] if ends else (comp * 4)[:max_len]
+            out["prompt_ids"].append(ids)
+            out["completion_ids"].append(comp)
+            if tool_mask:
+                env_masks.append([0 if 3 <= j < 6 else 1 for j in range(len(comp))])
+        if tool_mask:
+            out["env_mask"] = env_masks
+        return out
+
+    return rollout
+
+
+def letter_reward(completions, completion_ids, **kwargs) -> list[float]:
+    """Fraction of the completion's tokens that are 'a'..'e' (learnable, varies within groups)."""
+    return [sum(1 for t in ids if 97 <= t <= 101) / max(1, len(ids)) for ids in completion_ids]
+
+
+def base_args(out: Path, **kw: Any) -> dict[str, Any]:
+    args = dict(
+        output_dir=str(out),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        max_steps=3,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        gradient_accumulation_steps=2,
+        max_completion_length=24,
+        learning_rate=0.05,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        seed=7,
+        gradient_checkpointing=False,
+        disable_dropout=True,
+        dataloader_num_workers=0,
+    )
+    args.update(kw)
+    return args
+
+
+def train(
+    model_path: str,
+    out: Path,
+    forkrl: bool,
+    rollout: Callable | None = None,
+    dataset: Dataset | None = None,
+    peft_config: Any = None,
+    trainer_hook: Callable | None = None,
+    **kw: Any,
+) -> tuple[dict[str, torch.Tensor], Any]:
+    """Train stock TRL (forkrl=False) or forkrl's plugin with tree_packing (forkrl=True); returns the
+    final trainable parameters and the trainer."""
+    import trl
+
+    from forkrl.plugins import trl as ftrl
+
+    tree = {k: kw.pop(k) for k in list(kw) if k.startswith("tree_") or k.startswith("long_context")}
+    if forkrl:
+        tree.setdefault("tree_packing", True)
+        args = ftrl.GRPOConfig(**base_args(out, **kw), **tree)
+        cls = ftrl.GRPOTrainer
+    else:
+        args = trl.GRPOConfig(**base_args(out, **kw))
+        cls = trl.GRPOTrainer
+    trainer = cls(
+        model=model_path,
+        reward_funcs=letter_reward,
+        args=args,
+        train_dataset=dataset if dataset is not None else prompt_dataset(),
+        rollout_func=rollout or make_rollout_func(),
+        peft_config=peft_config,
+    )
+    if trainer_hook is not None:
+        trainer_hook(trainer)
+    trainer.train()
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    return params, trainer
+
+
+def initial_params(model_path: str) -> dict[str, torch.Tensor]:
+    model = LlamaForCausalLM.from_pretrained(model_path)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], init: dict[str, torch.Tensor]) -> float:
+    """max |a - b| / max |b - init| over all parameters (init matched by name suffix for PEFT)."""
+    diff, change = 0.0, 0.0
+    for name, pb in b.items():
+        diff = max(diff, (a[name] - pb).abs().max().item())
+        key = next((k for k in init if name.endswith(k) or k.endswith(name)), None)
+        base = init[key] if key is not None and init[key].shape == pb.shape else torch.zeros_like(pb)
+        change = max(change, (pb - base).abs().max().item())
+    assert change > 0, "the reference run did not change the parameters"
+    return diff / change
