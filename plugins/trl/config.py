@@ -60,7 +60,9 @@ class GRPOConfig(_TRLGRPOConfig):
     )
     tree_replay_threshold: int = field(
         default=16384,
-        metadata={"help": "tree_mode='auto' switches to replay when a root-to-leaf path has more tokens than this."},
+        metadata={
+            "help": "tree_mode='auto' switches to replay when a root-to-leaf path has more tokens than this."
+        },
     )
     long_context_replay: bool = field(
         default=False,
@@ -97,11 +99,15 @@ class GRPOConfig(_TRLGRPOConfig):
         if self.tree_mode not in TREE_MODES:
             raise ValueError(f"tree_mode={self.tree_mode!r} is not one of {TREE_MODES}")
         if self.tree_block_size is not None and (
-            isinstance(self.tree_block_size, bool) or not isinstance(self.tree_block_size, int) or self.tree_block_size < 1
+            isinstance(self.tree_block_size, bool)
+            or not isinstance(self.tree_block_size, int)
+            or self.tree_block_size < 1
         ):
             raise ValueError(f"tree_block_size={self.tree_block_size!r} must be a positive integer or None")
         if not isinstance(self.tree_replay_threshold, int) or self.tree_replay_threshold < 1:
-            raise ValueError(f"tree_replay_threshold={self.tree_replay_threshold!r} must be a positive integer")
+            raise ValueError(
+                f"tree_replay_threshold={self.tree_replay_threshold!r} must be a positive integer"
+            )
         if self.long_context_prompt_grad not in _PROMPT_GRADS:
             raise ValueError(
                 f"long_context_prompt_grad={self.long_context_prompt_grad!r} is not one of {_PROMPT_GRADS}"
@@ -150,7 +156,9 @@ class GRPOConfig(_TRLGRPOConfig):
         """
         unknown = set(forkrl_fields) - set(FORKRL_FIELDS)
         if unknown:
-            raise TypeError(f"unknown forkrl option(s) {sorted(unknown)}; forkrl's options are {list(FORKRL_FIELDS)}")
+            raise TypeError(
+                f"unknown forkrl option(s) {sorted(unknown)}; forkrl's options are {list(FORKRL_FIELDS)}"
+            )
         new = copy.copy(args)
         if not isinstance(new, cls):
             new.__class__ = cls
@@ -162,6 +170,9 @@ class GRPOConfig(_TRLGRPOConfig):
         return new
 
 
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.name not in {
-    g.name for g in dataclasses.fields(_TRLGRPOConfig)}}
+_DEFAULTS = {
+    f.name: f.default
+    for f in dataclasses.fields(GRPOConfig)
+    if f.name not in {g.name for g in dataclasses.fields(_TRLGRPOConfig)}
+}
 FORKRL_FIELDS = tuple(_DEFAULTS)

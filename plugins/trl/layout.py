@@ -81,7 +81,9 @@ def from_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to
         )
     ids = input_ids.detach().cpu()
     pc, cc = prompt_counts.tolist(), comp_counts.tolist()
-    sequences = [torch.cat([ids[b, split - pc[b] : split], ids[b, split : split + cc[b]]]) for b in range(len(ids))]
+    sequences = [
+        torch.cat([ids[b, split - pc[b] : split], ids[b, split : split + cc[b]]]) for b in range(len(ids))
+    ]
     return RowLayout(sequences=sequences, score_from=pc, scored=cc, width=width)
 
 

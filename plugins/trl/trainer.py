@@ -204,7 +204,10 @@ class GRPOTrainer(_TRLGRPOTrainer):
         inputs = self._prepare_inputs(inputs)
         self._tree_window.append((inputs, num_items_in_batch))
         self._step += 1
-        if self.accelerator.sync_gradients or len(self._tree_window) >= self.current_gradient_accumulation_steps:
+        if (
+            self.accelerator.sync_gradients
+            or len(self._tree_window) >= self.current_gradient_accumulation_steps
+        ):
             loss = self._tree_update(model)
         else:
             # The window's losses are returned, summed, by its last micro-batch (the logged total is the same).
@@ -236,7 +239,9 @@ class GRPOTrainer(_TRLGRPOTrainer):
         for inputs, _ in window:
             present = [k for k in _MULTIMODAL_KEYS if inputs.get(k) is not None]
             if present:
-                raise ValueError(f"tree_packing is text-only but the batch carries {present}: turn tree_packing off")
+                raise ValueError(
+                    f"tree_packing is text-only but the batch carries {present}: turn tree_packing off"
+                )
             input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
             attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
             layouts.append(from_padded(input_ids, attention_mask, inputs["completion_ids"].shape[1]))
@@ -264,11 +269,15 @@ class GRPOTrainer(_TRLGRPOTrainer):
 
                 res = executor.backward(forest, coefficient_fn=coefficients, entropy=True)
                 backward_time = time.perf_counter() - start
-                losses, _ = self._window_losses(model, window, layouts, res.logprobs, res.entropies, grad=False)
+                losses, _ = self._window_losses(
+                    model, window, layouts, res.logprobs, res.entropies, grad=False
+                )
             else:
                 res = executor.score(forest, entropy=True)
                 score_time += time.perf_counter() - start
-                losses, leaves = self._window_losses(model, window, layouts, res.logprobs, res.entropies, grad=True)
+                losses, leaves = self._window_losses(
+                    model, window, layouts, res.logprobs, res.entropies, grad=True
+                )
                 total = torch.stack([loss.reshape(()) for loss in losses]).sum()
                 if not torch.isfinite(total):
                     raise ValueError(
@@ -330,7 +339,9 @@ class GRPOTrainer(_TRLGRPOTrainer):
         # it is already scaled (TRL's GRPO sets loss_is_scaled_for_ga = True).
         scaled = self.loss_is_scaled_for_ga
         if scaled is None:
-            scaled = (self.model_accepts_loss_kwargs and num_items is not None) or self.compute_loss_func is not None
+            scaled = (
+                self.model_accepts_loss_kwargs and num_items is not None
+            ) or self.compute_loss_func is not None
         return loss if scaled else loss / self.current_gradient_accumulation_steps
 
     # ------------------------------------------------------------------ fused path

@@ -23,7 +23,11 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     table = pre_tokenizers.ByteLevel.alphabet()
     byte_map = {}
     # ByteLevel's alphabet in byte order, as GPT-2's bytes_to_unicode.
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs, n = bs[:], 0
     for b in range(256):
         if b not in bs:
@@ -73,7 +77,9 @@ SYSTEM = "You are a careful assistant. Answer with letters only. "
 def prompt_dataset(n: int = 8, long: int = 0) -> Dataset:
     """Prompts that share a system opening (cross-group prefix sharing); ``long`` pads them."""
     words = ["apple", "banana", "cherry", "date", "elder", "fig", "grape", "hazel", "iris", "jade"]
-    prompts = [SYSTEM + (" context" * long) + f" Question {i}: spell {words[i % len(words)]}." for i in range(n)]
+    prompts = [
+        SYSTEM + (" context" * long) + f" Question {i}: spell {words[i % len(words)]}." for i in range(n)
+    ]
     return Dataset.from_dict({"prompt": prompts})
 
 
@@ -185,7 +191,9 @@ def initial_params(model_path: str) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], init: dict[str, torch.Tensor]) -> float:
+def relative_difference(
+    a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], init: dict[str, torch.Tensor]
+) -> float:
     """max |a - b| / max |b - init| over all parameters (init matched by name suffix for PEFT)."""
     diff, change = 0.0, 0.0
     for name, pb in b.items():
