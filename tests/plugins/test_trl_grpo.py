@@ -1,0 +1,394 @@
+"""forkrl's TRL plugin against stock ``trl.GRPOTrainer`` on identical rollouts (real TRL, tiny Llama).
+
+Every configuration trains stock TRL and the plugin for three optimizer steps (SGD, so the update
+is linear in the gradient) from the same weights on the same deterministic rollouts, and asserts
+the final parameters agree to 1e-4 of the parameter change (float32; observed ~1e-6), and that
+TRL's logged losses and metrics agree.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+
+from forkrl.plugins import trl as ftrl  # noqa: E402
+from forkrl.plugins.trl.layout import from_padded, gather_rows, scatter_rows  # noqa: E402
+
+from .trl_helpers import (  # noqa: E402
+    base_args,
+    initial_params,
+    letter_reward,
+    make_rollout_func,
+    prompt_dataset,
+    relative_difference,
+    save_tiny_llama,
+    train,
+)
+
+TOL = 1e-4
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def init(model_path):
+    return initial_params(model_path)
+
+
+def _logged(trainer) -> list[dict]:
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+def assert_same_run(stock, tree, init, stock_trainer, tree_trainer, tol: float = TOL) -> None:
+    rel = relative_difference(tree, stock, init)
+    assert rel < tol, f"plugin parameters differ from stock TRL's by {rel:.2e} of the update"
+    a, b = _logged(stock_trainer), _logged(tree_trainer)
+    assert len(a) == len(b) > 0
+    for ha, hb in zip(a, b, strict=True):
+        for key in ("loss", "entropy", "kl", "clip_ratio/region_mean", "cispo_clip_ratio", "entropy_coef"):
+            if key in ha:
+                assert math.isclose(ha[key], hb[key], rel_tol=1e-4, abs_tol=1e-6), (key, ha[key], hb[key])
+        assert hb["tree/compression"] > 1.0
+
+
+CONFIGS = {
+    "dapo-default": {},
+    "grpo": dict(loss_type="grpo"),
+    "bnpo": dict(loss_type="bnpo"),
+    "dr_grpo": dict(loss_type="dr_grpo"),
+    "cispo": dict(loss_type="cispo"),
+    "sapo": dict(loss_type="sapo"),
+    "luspo-sequence": dict(loss_type="luspo", importance_sampling_level="sequence"),
+    "vespo": dict(loss_type="vespo"),
+    "grpo-sequence-level": dict(loss_type="grpo", importance_sampling_level="sequence"),
+    "dapo-delta": dict(delta=1.5),
+    "beta-ref-model": dict(beta=0.1),
+    "top-entropy-quantile": dict(top_entropy_quantile=0.5),
+    "entropy-bonus": dict(entropy_coef=0.01),
+    "adaptive-entropy": dict(use_adaptive_entropy=True, entropy_target=9.0),
+    "num-iterations-2": dict(num_iterations=2),
+    "steps-per-generation-4": dict(steps_per_generation=4),
+    "num-iterations-2-grpo-sequence": dict(
+        num_iterations=2, loss_type="grpo", importance_sampling_level="sequence"
+    ),
+    "num-iterations-2-beta-bias-kl": dict(num_iterations=2, beta=0.05, use_bias_correction_kl=True),
+    "off-policy-mask": dict(num_iterations=2, off_policy_mask_threshold=0.0),
+    "replay-blocks": dict(tree_mode="replay", tree_block_size=5),
+    "packed": dict(tree_mode="packed"),
+    "gradient-checkpointing": dict(gradient_checkpointing=True),
+    "long-context-replay": dict(long_context_replay=True, tree_packing=False, tree_block_size=7),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_plugin_equals_stock(name, model_path, init, tmp_path):
+    cfg = CONFIGS[name]
+    stock_cfg = {k: v for k, v in cfg.items() if not (k.startswith("tree_") or k.startswith("long_context"))}
+    stock, st = train(model_path, tmp_path / "stock", False, **stock_cfg)
+    tree, tt = train(model_path, tmp_path / "tree", True, **cfg)
+    assert_same_run(stock, tree, init, st, tt)
+
+
+def test_tool_mask_and_truncated_completions(model_path, init, tmp_path):
+    cfg = dict(mask_truncated_completions=True, max_completion_length=16)
+    rollout = make_rollout_func(tool_mask=True, truncate_some=True)
+    stock, st = train(model_path, tmp_path / "stock", False, rollout=rollout, **cfg)
+    tree, tt = train(model_path, tmp_path / "tree", True, rollout=rollout, **cfg)
+    assert_same_run(stock, tree, init, st, tt)
+
+
+def test_peft_adapter_as_reference(model_path, tmp_path):
+    from peft import LoraConfig
+
+    lora = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], task_type="CAUSAL_LM"
+    )
+    start: dict[str, torch.Tensor] = {}
+
+    def remember(trainer):
+        start.update({n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad})
+
+    stock, st = train(model_path, tmp_path / "s", False, peft_config=lora, beta=0.1, trainer_hook=remember)
+    tree, tt = train(model_path, tmp_path / "t", True, peft_config=lora, beta=0.1)
+    assert stock and all("lora" in n for n in stock)
+    assert relative_difference(tree, stock, start) < TOL
+    assert _logged(tt)[-1]["kl"] > 0
+
+
+def _vllm_correction_inputs(trainer) -> None:
+    # No vLLM server on a CPU: switch TRL's importance-sampling correction on after init, with the
+    # rollout's sampling log-probs standing in for vLLM's; the weight-sync call is the only engine use.
+    trainer.use_vllm = True
+    trainer.vllm_importance_sampling_correction = True
+    trainer.vllm_generation = SimpleNamespace(sync_weights=lambda: None)
+    trainer._last_loaded_step = -1
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+def test_vllm_importance_sampling_inputs(mode, model_path, init, tmp_path):
+    base = make_rollout_func()
+
+    def rollout(prompts, trainer):
+        out = base(prompts, trainer)
+        out["logprobs"] = [[-5.6 + 0.05 * (j % 5) for j in range(len(c))] for c in out["completion_ids"]]
+        return out
+
+    cfg = dict(vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=0.5)
+    stock, st = train(
+        model_path, tmp_path / "s", False, rollout=rollout, trainer_hook=_vllm_correction_inputs, **cfg
+    )
+    tree, tt = train(
+        model_path, tmp_path / "t", True, rollout=rollout, trainer_hook=_vllm_correction_inputs, **cfg
+    )
+    assert "sampling/importance_sampling_ratio/mean" in _logged(tt)[-1]
+    assert_same_run(stock, tree, init, st, tt)
+
+
+def test_tree_packing_off_is_stock(model_path, tmp_path):
+    stock, _ = train(model_path, tmp_path / "stock", False)
+    args = ftrl.GRPOConfig(**base_args(tmp_path / "plugin"))
+    plugin = ftrl.GRPOTrainer(
+        model=model_path,
+        reward_funcs=letter_reward,
+        args=args,
+        train_dataset=prompt_dataset(),
+        rollout_func=make_rollout_func(),
+    )
+    plugin.train()
+    for name, p in plugin.model.named_parameters():
+        assert torch.equal(p.detach(), stock[name]), name
+    assert not any(k.startswith("tree/") for h in plugin.state.log_history for k in h)
+
+
+def test_keyword_shortcut_and_metrics(model_path, tmp_path):
+    stock_args = trl.GRPOConfig(**base_args(tmp_path / "kw"))
+    trainer = ftrl.GRPOTrainer(
+        model_path,
+        letter_reward,
+        stock_args,
+        train_dataset=prompt_dataset(),
+        rollout_func=make_rollout_func(),
+        tree_packing=True,
+        tree_mode="keep",
+    )
+    assert isinstance(trainer.args, ftrl.GRPOConfig) and trainer.args.tree_packing
+    assert not hasattr(stock_args, "tree_packing")  # the user's config is copied, not changed
+    trainer.train()
+    last = _logged(trainer)[-1]
+    for key in (
+        "tree/compression",
+        "tree/unique_tokens",
+        "tree/dense_tokens",
+        "tree/mode",
+        "tree/backward_time",
+    ):
+        assert key in last
+    assert last["tree/dense_tokens"] > last["tree/unique_tokens"] > 0
+    assert last["tree/mode"] == 0.0
+    with pytest.raises(TypeError, match="unknown forkrl option"):
+        ftrl.GRPOConfig.from_trl(stock_args, tree_packnig=True)
+
+
+def test_fused_pass_only_when_gradient_is_value_independent(model_path, tmp_path):
+    _, default = train(model_path, tmp_path / "a", True, max_steps=1)
+    assert default._tree_fused_ok and _logged(default)[-1]["tree/score_time"] == 0.0
+    _, beta = train(model_path, tmp_path / "b", True, max_steps=1, beta=0.1)
+    assert _logged(beta)[-1]["tree/score_time"] > 0.0  # KL reads the log-probs: scoring pass first
+
+
+def test_fused_probe_catches_value_dependent_loss(model_path, init, tmp_path, monkeypatch):
+    # Negative control: claim the coefficients are constant when they are not (beta > 0 makes the
+    # KL term read the log-probs). The two-point probe must notice and fall back to the scoring pass.
+    monkeypatch.setattr(ftrl.GRPOTrainer, "_coefficients_constant", lambda self, window: True)
+    stock, st = train(model_path, tmp_path / "s", False, beta=0.5)
+    tree, tt = train(model_path, tmp_path / "t", True, beta=0.5)
+    assert not tt._tree_fused_ok
+    assert_same_run(stock, tree, init, st, tt)
+
+
+def test_reward_rises_end_to_end(tmp_path):
+    """Real TRL generation (no rollout_func) on a learnable task: reward for emitting 'a'..'e'."""
+    path = save_tiny_llama(tmp_path / "m", seed=1)
+    args = ftrl.GRPOConfig(
+        **base_args(
+            tmp_path / "run",
+            max_steps=30,
+            learning_rate=0.02,
+            optim="adamw_torch",
+            per_device_train_batch_size=8,
+            num_generations=8,
+            gradient_accumulation_steps=1,
+            max_completion_length=8,
+            logging_steps=5,
+        ),
+        tree_packing=True,
+    )
+    trainer = ftrl.GRPOTrainer(
+        model=path, reward_funcs=letter_reward, args=args, train_dataset=prompt_dataset(n=16)
+    )
+    trainer.train()
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    assert rewards[-1] > rewards[0] + 0.3, rewards
+
+
+# ---------------------------------------------------------------------- data parallel
+_DP_SCRIPT = """
+import sys
+sys.path.insert(0, {repo!r})
+from pathlib import Path
+import torch
+from tests.plugins.trl_helpers import train
+mode, out = sys.argv[1], Path(sys.argv[2])
+params, tr = train({model!r}, out / mode, mode == "tree", per_device_train_batch_size=int(sys.argv[3]), max_steps=2)
+if tr.accelerator.is_main_process:
+    torch.save(params, out / (mode + ".pt"))
+    print("WORLD", tr.accelerator.num_processes, tr.accelerator.distributed_type)
+"""
+
+
+def test_data_parallel_two_processes_equals_one(model_path, init, tmp_path):
+    script = tmp_path / "dp.py"
+    script.write_text(_DP_SCRIPT.format(repo=str(REPO), model=model_path))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    dp = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            str(script),
+            "tree",
+            str(tmp_path),
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert dp.returncode == 0, dp.stderr[-3000:]
+    assert "WORLD 2 DistributedType.MULTI_CPU" in dp.stdout
+    one = subprocess.run(
+        [sys.executable, str(script), "stock", str(tmp_path), "4"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    tree, stock = torch.load(tmp_path / "tree.pt"), torch.load(tmp_path / "stock.pt")
+    assert relative_difference(tree, stock, init) < TOL
+
+
+# ---------------------------------------------------------------------- configuration and contracts
+def test_config_validation(tmp_path):
+    common = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    with pytest.raises(ValueError, match="tree_mode='fast' is not one of"):
+        ftrl.GRPOConfig(**common, tree_packing=True, tree_mode="fast")
+    with pytest.raises(ValueError, match="tree_block_size=0"):
+        ftrl.GRPOConfig(**common, tree_packing=True, tree_block_size=0)
+    with pytest.raises(ValueError, match="would have no effect"):
+        ftrl.GRPOConfig(**common, tree_mode="keep")
+    with pytest.raises(ValueError, match="contradicts tree_mode='keep'"):
+        ftrl.GRPOConfig(**common, long_context_replay=True, tree_mode="keep")
+    with pytest.raises(ValueError, match="only applies with long_context_replay"):
+        ftrl.GRPOConfig(**common, tree_packing=True, long_context_prompt_grad="none")
+    with pytest.raises(ValueError, match="must be True or False"):
+        ftrl.GRPOConfig(**common, tree_packing="yes")
+    ok = ftrl.GRPOConfig(**common, long_context_replay=True, long_context_prompt_grad="none")
+    assert ok.tree_enabled and not ok.tree_packing
+
+
+def test_absolute_position_models_are_refused(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from .trl_helpers import EOS, PAD, VOCAB, byte_tokenizer
+
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, pad_token_id=PAD, eos_token_id=EOS)
+    )
+    with pytest.raises(Exception, match="absolute position|no separate decoder"):
+        ftrl.GRPOTrainer(
+            model=model,
+            reward_funcs=letter_reward,
+            args=ftrl.GRPOConfig(**base_args(tmp_path), tree_packing=True),
+            train_dataset=prompt_dataset(),
+            processing_class=byte_tokenizer(),
+            rollout_func=make_rollout_func(),
+        )
+
+
+def test_layout_roundtrip_and_errors():
+    ids = torch.tensor([[0, 5, 6, 7, 8, 0], [4, 5, 6, 7, 0, 0]])
+    mask = torch.tensor([[0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]])
+    lay = from_padded(ids, mask, 3)
+    assert [s.tolist() for s in lay.sequences] == [[5, 6, 7, 8], [4, 5, 6, 7]]
+    assert lay.score_from == [2, 3] and lay.scored == [2, 1] and lay.width == 3
+    vals = [torch.tensor([1.0, 2.0]), torch.tensor([3.0])]
+    padded = scatter_rows(vals, 3)
+    assert padded.tolist() == [[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]]
+    assert [t.tolist() for t in gather_rows(padded, lay.scored)] == [[1.0, 2.0], [3.0]]
+    empty = from_padded(ids, torch.tensor([[0, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0]]), 3)
+    assert empty.scored == [2, 0] and empty.score_from[1] == len(empty.sequences[1]) == 3
+    with pytest.raises(ValueError, match="not left-padded"):
+        from_padded(ids, torch.tensor([[1, 0, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]]), 3)
+    with pytest.raises(ValueError, match="not right-padded"):
+        from_padded(ids, torch.tensor([[0, 1, 1, 0, 1, 0], [1, 1, 1, 1, 0, 0]]), 3)
+    with pytest.raises(ValueError, match="no prompt token"):
+        from_padded(ids, torch.tensor([[0, 0, 0, 1, 1, 0], [1, 1, 1, 1, 0, 0]]), 3)
+    with pytest.raises(ValueError, match="same"):
+        from_padded(ids, mask[:, :4], 3)
+
+
+# The TRL methods and attributes the plugin overrides or relies on; a TRL upgrade that changes
+# them fails here, in one place.
+_CONTRACT = {
+    "training_step": ["self", "model", "inputs", "num_items_in_batch"],
+    "_prepare_inputs": ["self", "generation_batch"],
+    "compute_loss": ["self", "model", "inputs", "return_outputs", "num_items_in_batch"],
+    "_compute_loss": ["self", "model", "inputs"],
+}
+
+
+@pytest.mark.parametrize("method", list(_CONTRACT))
+def test_trl_contract_signatures(method):
+    params = list(inspect.signature(getattr(trl.GRPOTrainer, method)).parameters)
+    assert params == _CONTRACT[method]
+
+
+def test_trl_contract_logps_and_init():
+    sig = inspect.signature(trl.GRPOTrainer._get_per_token_logps_and_entropies)
+    assert list(sig.parameters)[:7] == [
+        "self",
+        "model",
+        "input_ids",
+        "attention_mask",
+        "logits_to_keep",
+        "batch_size",
+        "compute_entropy",
+    ]
+    assert "compute_aux_loss" in sig.parameters
+    init = inspect.signature(trl.GRPOTrainer.__init__)
+    assert list(init.parameters)[:4] == ["self", "model", "reward_funcs", "args"]
+    assert not any(p.kind is p.VAR_KEYWORD for p in init.parameters.values())  # why the shortcut is ours
+    src = inspect.getsource(trl.GRPOTrainer)
+    for needle in ("loss_is_scaled_for_ga = True", "self._current_train_step_time", "self._step += 1"):
+        assert needle in src, needle
+    from accelerate.state import GradientState
+
+    assert hasattr(GradientState, "_set_sync_gradients")
