@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Create or update the repo's virtual environment at .venv (idempotent).
 #
-#   bash scripts/setup.sh run    # forkrl, editable, with its runtime dependencies
-#   bash scripts/setup.sh test   # the same plus the [dev] extra (pytest, hypothesis, ruff, build, ...)
+#   bash scripts/setup.sh run    # forkrl, editable, with TRL (the [trl] extra: the README's main job is TRL GRPO)
+#   bash scripts/setup.sh test   # the same plus the [dev] extra (pytest, hypothesis, ruff, build, TRL, ...)
 #
 # torch: if .venv can already import torch (for example a CUDA build you installed yourself), it is
 # left alone. Otherwise torch==2.13.0 is installed first, explicitly: an unpinned torch would pull a
@@ -12,7 +12,7 @@ set -euo pipefail
 
 mode="${1:-run}"
 case "$mode" in
-    run) spec="." ;;
+    run) spec=".[trl]" ;;
     test) spec=".[dev]" ;;
     *) echo "usage: bash scripts/setup.sh [run|test]" >&2; exit 2 ;;
 esac

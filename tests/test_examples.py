@@ -22,3 +22,20 @@ def test_tree_training_example_runs_and_matches_dense():
     # The first step compares the tree gradient with the plain one (float32).
     diff = float(log.split("max relative gradient difference ")[1].split()[0])
     assert diff < 1e-4
+
+
+def test_trl_grpo_tree_example_runs():
+    """The README's main job: TRL GRPO with tree_packing vs stock TRL, on a very small setting."""
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "trl_grpo_tree.py"),
+        "--steps", "4", "--compare-steps", "2", "--doc-len", "64", "--prompts", "1", "--group", "4",
+        "--max-new", "6",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    log = out.stderr + out.stdout
+    assert "time per optimizer step" in log and "tree_packing" in log
+    assert "reward: first steps" in log
+    compression = float(log.split("tree/compression ")[1].split()[0])
+    assert compression > 1.0

@@ -1,4 +1,4 @@
-"""forkrl for TRL: ``GRPOConfig`` / ``GRPOTrainer`` subclasses with tree training.
+"""forkrl for TRL: ``GRPOConfig``/``GRPOTrainer`` and ``RLOOConfig``/``RLOOTrainer`` subclasses with tree training.
 
     from forkrl.plugins.trl import GRPOConfig, GRPOTrainer
     trainer = GRPOTrainer(model, reward_funcs, args=GRPOConfig(..., tree_packing=True), train_dataset=ds)
@@ -13,7 +13,7 @@ except ImportError as err:  # pragma: no cover - exercised only without TRL
         "forkrl.plugins.trl needs TRL: pip install 'forkrl[trl]' (trl>=1.16,<1.17 and peft)"
     ) from err
 
-from .config import GRPOConfig
-from .trainer import GRPOTrainer
+from .config import GRPOConfig, RLOOConfig
+from .trainer import GRPOTrainer, RLOOTrainer
 
-__all__ = ["GRPOConfig", "GRPOTrainer"]
+__all__ = ["GRPOConfig", "GRPOTrainer", "RLOOConfig", "RLOOTrainer"]

@@ -1,7 +1,7 @@
-"""forkrl's GRPOConfig: TRL's config plus the tree-training and long-context flags.
+"""forkrl's configs for TRL: TRL's GRPO/RLOO configs plus the tree-training and long-context flags.
 
-The subclass only adds fields (precedent: TRL's ``experimental/gmpo``); every TRL field keeps its
-meaning and default. The trainer reads them (see :mod:`forkrl.plugins.trl.trainer`).
+The subclasses only add fields (precedent: TRL's ``experimental/gmpo``); every TRL field keeps its
+meaning and default. The trainers read them (see :mod:`forkrl.plugins.trl.trainer`).
 """
 
 from __future__ import annotations
@@ -12,18 +12,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trl import GRPOConfig as _TRLGRPOConfig
+from trl import RLOOConfig as _TRLRLOOConfig
 
-__all__ = ["FORKRL_FIELDS", "GRPOConfig", "TREE_MODES"]
+__all__ = ["FORKRL_FIELDS", "GRPOConfig", "RLOOConfig", "TREE_MODES", "TreeOptions"]
 
 TREE_MODES = ("auto", "keep", "replay", "packed")
 _PROMPT_GRADS = ("exact", "none")
 
 
 @dataclass
-class GRPOConfig(_TRLGRPOConfig):
-    """TRL's :class:`trl.GRPOConfig` with forkrl's flags.
+class TreeOptions:
+    """forkrl's flags, shared by the GRPO and RLOO configs.
 
-    Parameters (forkrl's; all others are TRL's):
+    Parameters:
         tree_packing: train all sequences of an optimizer step as one prefix forest.
         tree_mode: ``"auto"``, ``"keep"``, ``"replay"`` or ``"packed"``.
         tree_block_size: replay block size in tokens.
@@ -81,10 +82,6 @@ class GRPOConfig(_TRLGRPOConfig):
             "choices": list(_PROMPT_GRADS),
         },
     )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._validate_forkrl()
 
     @property
     def tree_enabled(self) -> bool:
@@ -148,8 +145,8 @@ class GRPOConfig(_TRLGRPOConfig):
             )
 
     @classmethod
-    def from_trl(cls, args: _TRLGRPOConfig, **forkrl_fields: Any) -> GRPOConfig:
-        """A forkrl config from a stock ``trl.GRPOConfig`` (copied, not modified) plus forkrl's fields.
+    def from_trl(cls, args: Any, **forkrl_fields: Any) -> TreeOptions:
+        """A forkrl config from the stock TRL config (copied, not modified) plus forkrl's fields.
 
         TRL's ``__post_init__`` already ran on ``args``; it is not run again (it is not idempotent),
         only forkrl's validation runs.
@@ -158,6 +155,11 @@ class GRPOConfig(_TRLGRPOConfig):
         if unknown:
             raise TypeError(
                 f"unknown forkrl option(s) {sorted(unknown)}; forkrl's options are {list(FORKRL_FIELDS)}"
+            )
+        host = cls.__bases__[-1]
+        if not isinstance(args, host):
+            raise TypeError(
+                f"{cls.__name__}.from_trl needs a {host.__module__}.{host.__name__}, got {type(args).__name__}"
             )
         new = copy.copy(args)
         if not isinstance(new, cls):
@@ -170,9 +172,23 @@ class GRPOConfig(_TRLGRPOConfig):
         return new
 
 
-_DEFAULTS = {
-    f.name: f.default
-    for f in dataclasses.fields(GRPOConfig)
-    if f.name not in {g.name for g in dataclasses.fields(_TRLGRPOConfig)}
-}
+@dataclass
+class GRPOConfig(TreeOptions, _TRLGRPOConfig):
+    """TRL's :class:`trl.GRPOConfig` with forkrl's flags (see :class:`TreeOptions`)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._validate_forkrl()
+
+
+@dataclass
+class RLOOConfig(TreeOptions, _TRLRLOOConfig):
+    """TRL's :class:`trl.RLOOConfig` with forkrl's flags (see :class:`TreeOptions`)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._validate_forkrl()
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TreeOptions)}
 FORKRL_FIELDS = tuple(_DEFAULTS)

@@ -1,4 +1,4 @@
-"""forkrl's GRPOTrainer: stock TRL GRPO, with the training phase run over a prefix forest.
+"""forkrl's GRPOTrainer and RLOOTrainer: stock TRL, with the training phase run over a prefix forest.
 
 Overrides (each delegates to TRL when tree training is off):
 
@@ -31,13 +31,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from trl import GRPOTrainer as _TRLGRPOTrainer
+from trl import RLOOTrainer as _TRLRLOOTrainer
 
 from forkrl.core import PrefixForest, TreeExecutor, UnsupportedModelError
 
-from .config import FORKRL_FIELDS, GRPOConfig
+from .config import FORKRL_FIELDS, GRPOConfig, RLOOConfig
 from .layout import RowLayout, from_padded, gather_rows, scatter_rows
 
-__all__ = ["GRPOTrainer", "MODE_CODES"]
+__all__ = ["GRPOTrainer", "MODE_CODES", "RLOOTrainer", "TreeTrainingMixin"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,27 +62,29 @@ _MULTIMODAL_KEYS = (
 _KNOWN_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 
 
-class GRPOTrainer(_TRLGRPOTrainer):
-    """TRL's ``GRPOTrainer`` with forkrl's tree training.
+class TreeTrainingMixin:
+    """Tree training for a TRL online trainer whose loss reads ``_get_per_token_logps_and_entropies``.
 
-    Used exactly like ``trl.GRPOTrainer``; pass ``args=forkrl.plugins.trl.GRPOConfig(...,
-    tree_packing=True)``, or forkrl's options as keyword arguments
-    (``GRPOTrainer(model, reward_funcs, args=trl_args, tree_packing=True)``), which are merged into a
-    copy of ``args``.
+    A subclass lists the TRL trainer after this mixin and names it and forkrl's config class in
+    ``_trl_base`` and ``_config_class``.
     """
+
+    _trl_base: type = _TRLGRPOTrainer
+    _config_class: type = GRPOConfig
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         options = {k: kwargs.pop(k) for k in list(kwargs) if k in FORKRL_FIELDS}
-        bound = inspect.signature(_TRLGRPOTrainer.__init__).bind(self, *args, **kwargs)
+        bound = inspect.signature(self._trl_base.__init__).bind(self, *args, **kwargs)
         arguments = dict(bound.arguments)
         arguments.pop("self")
         config = arguments.get("args")
         if config is None:
             model = arguments["model"]
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
-            config = GRPOConfig(f"{name.split('/')[-1]}-GRPO", **options)
-        elif options or not isinstance(config, GRPOConfig):
-            config = GRPOConfig.from_trl(config, **options)
+            suffix = self._trl_base.__name__.removesuffix("Trainer")
+            config = self._config_class(f"{name.split('/')[-1]}-{suffix}", **options)
+        elif options or not isinstance(config, self._config_class):
+            config = self._config_class.from_trl(config, **options)
         arguments["args"] = config
         self._tree_window: list[tuple[dict[str, Any], Any]] = []
         self._tree_leaves: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -346,25 +349,14 @@ class GRPOTrainer(_TRLGRPOTrainer):
 
     # ------------------------------------------------------------------ fused path
     def _coefficients_constant(self, window) -> bool:
-        """Whether TRL's loss gradient w.r.t. log-probs/entropies is the same at any values.
+        """Whether the host loss's gradient w.r.t. log-probs/entropies is the same at any values
+        (then one fused pass suffices). The mixin assumes not; hosts that know better override."""
+        return False
 
-        True when the importance ratio is ``exp(logp - logp.detach()) == 1`` (no old log-probs) and
-        nothing else reads the values: no KL term, no entropy-quantile or off-policy mask, TRL's own
-        loss code (not a subclass override), and no clipping bound at exactly 1.
-        """
-        cls = type(self)
-        if cls._compute_loss is not _TRLGRPOTrainer._compute_loss:
-            return False
-        if cls.compute_loss is not _TRLGRPOTrainer.compute_loss:
-            return False
-        if any("old_per_token_logps" in inputs for inputs, _ in window):
-            return False
-        if self.beta != 0.0 or self.top_entropy_quantile < 1.0 or self.off_policy_mask_threshold is not None:
-            return False
-        if self.loss_type not in _KNOWN_LOSSES or self.epsilon_low <= 0 or self.epsilon_high <= 0:
-            return False
-        delta = self.args.delta
-        return delta is None or delta > 1.0
+    def _own_loss(self) -> bool:
+        """The loss is the TRL base class's own code (not a user subclass's override)."""
+        cls, base = type(self), self._trl_base
+        return cls._compute_loss is base._compute_loss and cls.compute_loss is base.compute_loss
 
     def _constant_gradients(self, model, window, layouts):
         """TRL's loss gradient, evaluated (quietly) at two points; None if they differ."""
@@ -463,3 +455,43 @@ class GRPOTrainer(_TRLGRPOTrainer):
         metrics["tree/mode"].append(float(MODE_CODES[mode]))
         metrics["tree/backward_time"].append(stats[:, 2].max().item())
         metrics["tree/score_time"].append(stats[:, 3].max().item())
+
+
+class GRPOTrainer(TreeTrainingMixin, _TRLGRPOTrainer):
+    """TRL's ``GRPOTrainer`` with forkrl's tree training.
+
+    Used exactly like ``trl.GRPOTrainer``; pass ``args=forkrl.plugins.trl.GRPOConfig(...,
+    tree_packing=True)``, or forkrl's options as keyword arguments
+    (``GRPOTrainer(model, reward_funcs, args=trl_args, tree_packing=True)``), which are merged into a
+    copy of ``args``.
+    """
+
+    _trl_base = _TRLGRPOTrainer
+    _config_class = GRPOConfig
+
+    def _coefficients_constant(self, window) -> bool:
+        """True when the importance ratio is ``exp(logp - logp.detach()) == 1`` (no old log-probs)
+        and nothing else reads the values: no KL term, no entropy-quantile or off-policy mask, TRL's
+        own loss code (not a subclass override), and no clipping bound at exactly 1."""
+        if not self._own_loss():
+            return False
+        if any("old_per_token_logps" in inputs for inputs, _ in window):
+            return False
+        if self.beta != 0.0 or self.top_entropy_quantile < 1.0 or self.off_policy_mask_threshold is not None:
+            return False
+        if self.loss_type not in _KNOWN_LOSSES or self.epsilon_low <= 0 or self.epsilon_high <= 0:
+            return False
+        delta = self.args.delta
+        return delta is None or delta > 1.0
+
+
+class RLOOTrainer(TreeTrainingMixin, _TRLRLOOTrainer):
+    """TRL's ``RLOOTrainer`` with forkrl's tree training (``RLOOConfig(..., tree_packing=True)``).
+
+    RLOO's loss is sequence-level (a clipped ratio of summed log-probs against ``old_logps``, which
+    TRL always computes; forkrl scores them with the tree), so every step takes the scoring pass
+    before the tree backward.
+    """
+
+    _trl_base = _TRLRLOOTrainer
+    _config_class = RLOOConfig
