@@ -1,7 +1,7 @@
 """GRPO in TRL with forkrl's tree packing, on a synthetic task with long shared prompts (CPU, minutes).
 
-Every prompt is a long shared "document" followed by a short question naming a letter; the reward
-is the fraction of the completion's characters that are that letter. Each optimizer step samples
+Every prompt is a long shared "document" followed by a short question naming a set of letters; the
+reward is the fraction of the completion's characters in that set. Each optimizer step samples
 G completions per prompt with TRL's own generation and trains them with
 ``GRPOTrainer(..., tree_packing=True)``: the document, each prompt and each shared completion
 opening are computed once, and the update is the one stock TRL would make. The script first runs a
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("trl_grpo_tree")
-LETTERS = "abcdefgh"
+LETTER_SETS = ("abcd", "wxyz")
 
 
 def byte_tokenizer():
@@ -87,26 +87,22 @@ def dataset(n: int, doc_len: int, seed: int = 0):
     while len(doc) < doc_len:
         doc += rng.choice(words) + " "
     doc = doc[:doc_len]
-    rows = [
-        {
-            "prompt": f"{doc}\nQ{i}: write the letter {LETTERS[i % len(LETTERS)]}.\nA:",
-            "letter": LETTERS[i % len(LETTERS)],
-        }
-        for i in range(n)
-    ]
+    sets = [LETTER_SETS[i % len(LETTER_SETS)] for i in range(n)]
+    rows = [{"prompt": f"{doc}\nQ{i}: write letters from {s}.\nA:", "letters": s} for i, s in enumerate(sets)]
     return Dataset.from_list(rows)
 
 
-def letter_reward(completions, letter, **kwargs):
-    """Fraction of the completion's characters equal to the prompt's letter."""
+def letter_reward(completions, letters, **kwargs):
+    """Fraction of the completion's characters in the prompt's letter set."""
     return [
-        sum(ch == want for ch in text) / max(1, len(text))
-        for text, want in zip(completions, letter, strict=True)
+        sum(ch in want for ch in text) / max(1, len(text))
+        for text, want in zip(completions, letters, strict=True)
     ]
 
 
 def make_trainer(args, model_path: str, out: Path, tree: bool, steps: int, train_set):
     import trl
+    from transformers.trainer_callback import ProgressCallback
 
     from forkrl.plugins import trl as ftrl
 
@@ -131,7 +127,9 @@ def make_trainer(args, model_path: str, out: Path, tree: bool, steps: int, train
         cfg, cls = ftrl.GRPOConfig(**config, tree_packing=True), ftrl.GRPOTrainer
     else:
         cfg, cls = trl.GRPOConfig(**config), trl.GRPOTrainer
-    return cls(model=model_path, reward_funcs=letter_reward, args=cfg, train_dataset=train_set)
+    trainer = cls(model=model_path, reward_funcs=letter_reward, args=cfg, train_dataset=train_set)
+    trainer.remove_callback(ProgressCallback)  # this script prints its own summary
+    return trainer
 
 
 def timed_steps(trainer) -> list[float]:

@@ -14,10 +14,11 @@ from typing import Any
 from trl import GRPOConfig as _TRLGRPOConfig
 from trl import RLOOConfig as _TRLRLOOConfig
 
-__all__ = ["FORKRL_FIELDS", "GRPOConfig", "RLOOConfig", "TREE_MODES", "TreeOptions"]
+__all__ = ["FORKRL_FIELDS", "GRPOConfig", "RLOOConfig", "SPECULATIVE_POLICIES", "TREE_MODES", "TreeOptions"]
 
 TREE_MODES = ("auto", "keep", "replay", "packed")
 _PROMPT_GRADS = ("exact", "none")
+SPECULATIVE_POLICIES = ("auto", "always")
 
 
 @dataclass
@@ -83,12 +84,48 @@ class TreeOptions:
         },
     )
 
+    speculative_rollout: bool = field(
+        default=False,
+        metadata={
+            "help": "Self-speculative rollouts (TRL's transformers generation, use_vllm=False): completions are "
+            "drafted by a weight-quantized copy of the policy, re-derived after every optimizer step, and verified "
+            "by the policy with exact rejection sampling, so they are distributed exactly as stock sampling."
+        },
+    )
+    speculative_bits: int = field(
+        default=4,
+        metadata={"help": "Drafter weight bits: 4 (groupwise round-to-nearest) or 8 (per channel)."},
+    )
+    speculative_group_size: int = field(
+        default=128,
+        metadata={"help": "Drafter int4 group size (32, 64, 128 or 256; must divide the layers)."},
+    )
+    speculative_policy: str = field(
+        default="auto",
+        metadata={
+            "help": "'auto': time the policy and the drafter on this machine at the first rollout and speculate only "
+            "where the cost model predicts a gain, with the draft length following the acceptance rate. 'always': "
+            "speculate every step with speculative_draft_len.",
+            "choices": list(SPECULATIVE_POLICIES),
+        },
+    )
+    speculative_draft_len: int = field(
+        default=4, metadata={"help": "Draft length for speculative_policy='always'."}
+    )
+    speculative_margin: float = field(
+        default=0.05,
+        metadata={
+            "help": "'auto' speculates only when the predicted speedup exceeds 1 + speculative_margin."
+        },
+    )
+
     @property
     def tree_enabled(self) -> bool:
         """Whether training runs through forkrl's tree executor."""
         return bool(self.tree_packing or self.long_context_replay)
 
     def _validate_forkrl(self) -> None:
+        self._validate_speculative()
         if not isinstance(self.tree_packing, bool):
             raise ValueError(f"tree_packing must be True or False, got {self.tree_packing!r}")
         if not isinstance(self.long_context_replay, bool):
@@ -142,6 +179,51 @@ class TreeOptions:
                 f"tree_packing/long_context_replay with {engine} is not supported yet (the tree pass computes "
                 "gradients outside the engine's hooks): use plain data parallel (accelerate launch, DDP), or turn "
                 "tree training off"
+            )
+
+    def _validate_speculative(self) -> None:
+        if not isinstance(self.speculative_rollout, bool):
+            raise ValueError(f"speculative_rollout must be True or False, got {self.speculative_rollout!r}")
+        if self.speculative_bits not in (4, 8):
+            raise ValueError(f"speculative_bits={self.speculative_bits!r} must be 4 or 8")
+        if self.speculative_group_size not in (32, 64, 128, 256):
+            raise ValueError(
+                f"speculative_group_size={self.speculative_group_size!r} must be 32, 64, 128 or 256"
+            )
+        if self.speculative_policy not in SPECULATIVE_POLICIES:
+            raise ValueError(
+                f"speculative_policy={self.speculative_policy!r} is not one of {SPECULATIVE_POLICIES}"
+            )
+        if not isinstance(self.speculative_draft_len, int) or self.speculative_draft_len < 1:
+            raise ValueError(
+                f"speculative_draft_len={self.speculative_draft_len!r} must be a positive integer"
+            )
+        if not self.speculative_margin >= 0:
+            raise ValueError(f"speculative_margin={self.speculative_margin!r} must be >= 0")
+        if not self.speculative_rollout:
+            return
+        if getattr(self, "use_vllm", False):
+            raise ValueError(
+                "speculative_rollout drives TRL's transformers generation; with use_vllm=True generation runs in "
+                "vLLM (its speculative path is a later forkrl release): set use_vllm=False or speculative_rollout=False"
+            )
+        if getattr(self, "use_transformers_continuous_batching", False):
+            raise ValueError(
+                "speculative_rollout replaces transformers' generate; it cannot run inside continuous batching: set "
+                "use_transformers_continuous_batching=False or speculative_rollout=False"
+            )
+        unsupported = []
+        if getattr(self, "min_p", None) is not None:
+            unsupported.append(f"min_p={self.min_p}")
+        if getattr(self, "repetition_penalty", 1.0) != 1.0:
+            unsupported.append(f"repetition_penalty={self.repetition_penalty}")
+        extra = set(getattr(self, "generation_kwargs", None) or {}) - {"do_sample"}
+        if extra:
+            unsupported.append(f"generation_kwargs {sorted(extra)}")
+        if unsupported:
+            raise ValueError(
+                f"speculative_rollout samples exactly with temperature, top_k and top_p only; {', '.join(unsupported)} "
+                "would change the distribution it must reproduce: drop them or set speculative_rollout=False"
             )
 
     @classmethod

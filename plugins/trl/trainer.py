@@ -91,9 +91,13 @@ class TreeTrainingMixin:
         self._tree_executors: dict[tuple[int, str], TreeExecutor] = {}
         self._tree_score_time = 0.0
         self._tree_fused_ok = True
+        self._spec_sampler = None
+        self._spec_step = -1
         super().__init__(**arguments)
         if config.tree_enabled:
             self._check_tree_setup()
+        if config.speculative_rollout:
+            self._check_speculative_setup()
 
     # ------------------------------------------------------------------ setup
     def _check_tree_setup(self) -> None:
@@ -134,6 +138,102 @@ class TreeTrainingMixin:
                 "passes",
                 args.tree_block_size or _DEFAULT_BLOCK,
             )
+
+    def _check_speculative_setup(self) -> None:
+        model = self.accelerator.unwrap_model(self.model)
+        if hasattr(model, "peft_config"):
+            raise ValueError(
+                "speculative_rollout does not support PEFT adapters yet (the drafter quantizes the base weights, not "
+                "base + adapter): merge the adapter or set speculative_rollout=False"
+            )
+        if self._is_vlm:
+            raise ValueError("speculative_rollout supports text-only models: set speculative_rollout=False")
+
+    def _speculative_sampler(self, model: torch.nn.Module, prompt_lengths: list[int]):
+        """The sampler, its drafter re-derived from the current weights once per optimizer step."""
+        from forkrl.core.speculative import Drafter, SpeculationPolicy, SpeculativeSampler
+
+        args = self.args
+        if self._spec_sampler is None:
+            dtype = next(model.parameters()).dtype
+            drafter = Drafter.from_policy(
+                model,
+                bits=args.speculative_bits,
+                group_size=args.speculative_group_size if args.speculative_bits == 4 else None,
+                compute_dtype=torch.bfloat16 if dtype == torch.float32 else dtype,
+            )
+            if args.speculative_policy == "always":
+                policy = SpeculationPolicy.fixed(args.speculative_draft_len)
+            else:
+                context = (
+                    int(sorted(prompt_lengths)[len(prompt_lengths) // 2]) + self.max_completion_length // 2
+                )
+                sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= max(1, len(prompt_lengths))]
+                policy = SpeculationPolicy.calibrate(
+                    model,
+                    drafter,
+                    batch_sizes=sizes,
+                    context_len=context,
+                    temperature=self.temperature,
+                    top_k=self.top_k or None,
+                    top_p=self.top_p,
+                    margin=args.speculative_margin,
+                )
+            self._spec_sampler = SpeculativeSampler(model, drafter, policy)
+            self._spec_step = self.state.global_step
+        elif self._spec_step != self.state.global_step:
+            self._spec_sampler.drafter.refresh(model)
+            self._spec_step = self.state.global_step
+        return self._spec_sampler
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *args, **kwargs):
+        """TRL's generation, or with ``speculative_rollout`` the exact self-speculative sampler."""
+        if not getattr(self.args, "speculative_rollout", False) or images is not None or multimodal_fields:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
+        from trl.models import unwrap_model_for_generation
+
+        device = self.accelerator.device
+        pad_id = self._tokenizer.pad_token_id
+        width = max(len(p) for p in prompt_ids)
+        input_ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+        for b, ids in enumerate(prompt_ids):
+            input_ids[b, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[b, width - len(ids) :] = 1
+        do_sample = getattr(self.generation_config, "do_sample", True) is not False
+        with (
+            unwrap_model_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            ) as unwrapped_model,
+            torch.no_grad(),
+        ):
+            sampler = self._speculative_sampler(unwrapped_model, [len(p) for p in prompt_ids])
+            out = sampler.generate(
+                input_ids.to(device),
+                attention_mask.to(device),
+                max_new_tokens=self.max_completion_length,
+                temperature=self.temperature,
+                top_k=self.top_k or None,
+                top_p=self.top_p,
+                eos_token_id=list(self.eos_token_ids),
+                pad_token_id=pad_id,
+                do_sample=do_sample,
+            )
+        lengths = out.completion_lengths.tolist()
+        completion_ids = [out.sequences[b, width : width + n].tolist() for b, n in enumerate(lengths)]
+        stats = out.stats
+        mode = "train" if self.model.training else "eval"
+        metrics = self._metrics[mode]
+        spec = stats.as_metrics(prefix="")
+        metrics["spec/acceptance"].append(stats.acceptance_rate)
+        metrics["spec/speculated_fraction"].append(stats.speculated_fraction)
+        metrics["spec/draft_len"].append(spec["mean_draft_length"])
+        metrics["spec/mean_accepted_length"].append(stats.mean_accepted_length)
+        metrics["spec/rollout_time"].append(stats.wall_time_s)
+        return completion_ids, None
 
     def _mode_for(self, forest: PrefixForest) -> str:
         args = self.args
