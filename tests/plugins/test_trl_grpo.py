@@ -365,14 +365,28 @@ _CONTRACT = {
 }
 
 
+_GENERATE = ["self", "prompt_ids", "images", "multimodal_fields"]
+
+
+@pytest.mark.parametrize("host", ["GRPOTrainer", "RLOOTrainer"])
 @pytest.mark.parametrize("method", list(_CONTRACT))
-def test_trl_contract_signatures(method):
-    params = list(inspect.signature(getattr(trl.GRPOTrainer, method)).parameters)
+def test_trl_contract_signatures(method, host):
+    params = list(inspect.signature(getattr(getattr(trl, host), method)).parameters)
     assert params == _CONTRACT[method]
 
 
-def test_trl_contract_logps_and_init():
-    sig = inspect.signature(trl.GRPOTrainer._get_per_token_logps_and_entropies)
+@pytest.mark.parametrize("host", ["GRPOTrainer", "RLOOTrainer"])
+def test_trl_contract_generation(host):
+    params = list(inspect.signature(getattr(trl, host)._generate_single_turn).parameters)
+    assert params[:4] == _GENERATE  # forkrl's override passes anything after these through
+    for attr in ("max_completion_length", "temperature", "top_k", "top_p", "eos_token_ids"):
+        assert f"self.{attr}" in inspect.getsource(getattr(trl, host))
+
+
+@pytest.mark.parametrize("host", ["GRPOTrainer", "RLOOTrainer"])
+def test_trl_contract_logps_and_init(host):
+    cls = getattr(trl, host)
+    sig = inspect.signature(cls._get_per_token_logps_and_entropies)
     assert list(sig.parameters)[:7] == [
         "self",
         "model",
@@ -383,11 +397,16 @@ def test_trl_contract_logps_and_init():
         "compute_entropy",
     ]
     assert "compute_aux_loss" in sig.parameters
-    init = inspect.signature(trl.GRPOTrainer.__init__)
+    init = inspect.signature(cls.__init__)
     assert list(init.parameters)[:4] == ["self", "model", "reward_funcs", "args"]
     assert not any(p.kind is p.VAR_KEYWORD for p in init.parameters.values())  # why the shortcut is ours
-    src = inspect.getsource(trl.GRPOTrainer)
-    for needle in ("loss_is_scaled_for_ga = True", "self._current_train_step_time", "self._step += 1"):
+    src = inspect.getsource(cls)
+    for needle in (
+        "loss_is_scaled_for_ga = ",
+        "self._current_train_step_time",
+        "self._step += 1",
+        "self._metrics",
+    ):
         assert needle in src, needle
     from accelerate.state import GradientState
 
