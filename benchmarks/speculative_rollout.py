@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -166,11 +167,18 @@ def length_stats(lengths: torch.Tensor) -> dict[str, float]:
     return {"len_p50": q[0], "len_p90": q[1], "len_max": float(lengths.max())}
 
 
-def run_method(method, model, drafter, policy, ids, mask, args, seed) -> dict:
+def clocked(fn) -> tuple[float, float, object]:
+    """(wall seconds, this process's CPU seconds, result) of ``fn()``."""
+    c0 = time.process_time()
+    wall, out = timed(fn)
+    return wall, time.process_time() - c0, out
+
+
+def run_method(method, model, drafter, policy, ids, mask, max_new, args, seed) -> dict:
     g = torch.Generator(device=args.device).manual_seed(seed)
     if method == "hf":
         torch.manual_seed(seed)
-        secs, out = timed(
+        wall, cpu, out = clocked(
             lambda: model.generate(
                 input_ids=ids,
                 attention_mask=mask,
@@ -178,7 +186,7 @@ def run_method(method, model, drafter, policy, ids, mask, args, seed) -> dict:
                 temperature=args.temperature,
                 top_k=0,
                 top_p=1.0,
-                max_new_tokens=args.max_new_tokens,
+                max_new_tokens=max_new,
                 eos_token_id=EOS,
                 pad_token_id=PAD,
             )
@@ -186,13 +194,13 @@ def run_method(method, model, drafter, policy, ids, mask, args, seed) -> dict:
         comp = out[:, ids.shape[1] :]
         ended = (comp == EOS).cumsum(-1)
         lengths = ((ended == 0) | ((ended == 1) & (comp == EOS))).sum(-1)
-        return {"seconds": secs, "tokens": int(lengths.sum()), **length_stats(lengths)}
+        return {"wall_s": wall, "cpu_s": cpu, "tokens": int(lengths.sum()), **length_stats(lengths)}
     sampler = SpeculativeSampler(model, drafter if method != "plain" else None, policy)
-    secs, out = timed(
+    wall, cpu, out = clocked(
         lambda: sampler.generate(
             ids,
             mask,
-            max_new_tokens=args.max_new_tokens,
+            max_new_tokens=max_new,
             temperature=args.temperature,
             eos_token_id=EOS,
             pad_token_id=PAD,
@@ -203,7 +211,8 @@ def run_method(method, model, drafter, policy, ids, mask, args, seed) -> dict:
     lengths = out.completion_lengths
     hist = [k for k in s.draft_length_history if k]
     return {
-        "seconds": secs,
+        "wall_s": wall,
+        "cpu_s": cpu,
         "tokens": s.generated_tokens,
         "acceptance": s.acceptance_rate,
         "spec_frac": s.speculated_fraction,
@@ -236,6 +245,7 @@ def main() -> None:
     ap.add_argument("--workloads", default="longtail,short,few-long")
     ap.add_argument("--methods", default="hf,plain,auto,always")
     ap.add_argument("--max-new-tokens", type=int, default=320)
+    ap.add_argument("--short-max-new-tokens", type=int, default=48, help="budget of the short workload")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=None)
@@ -247,6 +257,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default=None,
+        help="what ratios and calibration measure; default cpu (process CPU time) with --threads 1, which "
+        "ignores other processes on a shared machine, else wall",
+    )
     ap.add_argument("--save-model", default="", help="save the trained weights here")
     ap.add_argument("--load-model", default="", help="skip training: load weights saved with --save-model")
     args = ap.parse_args()
@@ -282,11 +299,12 @@ def main() -> None:
         f"# drafter {drafter.kernel} ({drafter.kernels}), {mem['drafter_bytes'] / 2**20:.1f} MiB = "
         f"{100 * mem['overhead_fraction']:.1f}% of the policy; build {t_build:.2f} s, refresh {t_refresh:.2f} s"
     )
+    clock = args.clock or ("cpu" if args.threads == 1 else "wall")
     calib_batches = [int(b) for b in args.calib_batches.split(",")]
     t_cal, policy = timed(
         lambda: SpeculationPolicy.calibrate(
             model, drafter, batch_sizes=calib_batches, context_len=args.calib_context, margin=args.margin,
-            temperature=args.temperature,
+            temperature=args.temperature, clock=time.process_time if clock == "cpu" else time.perf_counter,
         )
     )  # fmt: skip
 
@@ -301,7 +319,9 @@ def main() -> None:
     policy.alpha = probe.alpha
     alpha0 = policy.alpha
     calib = policy.cost_model.table(alpha0, policy.ladder)
-    print(f"\n## Calibration ({t_cal:.1f} s, context {args.calib_context}, alpha {alpha0:.3f})\n")
+    print(
+        f"\n## Calibration ({t_cal:.1f} s, {clock} clock, context {args.calib_context}, alpha {alpha0:.3f})\n"
+    )
     print_table(
         calib,
         [("batch", "{}"), ("target_ms", "{:.2f}"), ("draft_ms", "{:.2f}"), ("verify_ms", "{:.2f}"),
@@ -309,38 +329,48 @@ def main() -> None:
     )  # fmt: skip
 
     methods = args.methods.split(",")
+    key = "cpu_s" if clock == "cpu" else "wall_s"
     results = []
     for wl in args.workloads.split(","):
         bsz = 4 if wl == "few-long" else args.batch
+        max_new = args.short_max_new_tokens if wl == "short" else args.max_new_tokens
         v0s = workload("long" if wl == "few-long" else wl, bsz, args.seed + 1)
         g = torch.Generator().manual_seed(args.seed + 2)
         ids, mask = left_pad([prompt(v, g) for v in v0s], args.device)
         runs: dict[str, list[dict]] = {m: [] for m in methods}
         for r in range(args.repeats):
             for m in methods if r % 2 == 0 else methods[::-1]:
+                if m == "hf" and r:  # several times slower than plain: one run is enough to show it
+                    continue
                 pol = {"plain": SpeculationPolicy.never(), "auto": policy,
                        "always": SpeculationPolicy.fixed(args.always_k), "hf": None}[m]  # fmt: skip
                 if m == "auto":
                     policy.alpha = alpha0  # each repeat starts from the same estimate
-                runs[m].append(run_method(m, model, drafter, pol, ids, mask, args, seed=args.seed + 10 * r))
-                print(f"# {wl} {m} repeat {r}: {runs[m][-1]['seconds']:.2f} s", flush=True)
+                res = run_method(m, model, drafter, pol, ids, mask, max_new, args, seed=args.seed + 10 * r)
+                runs[m].append(res)
+                print(
+                    f"# {wl} {m} repeat {r}: wall {res['wall_s']:.2f} s, cpu {res['cpu_s']:.2f} s", flush=True
+                )
         rows = {}
         for m, rs in runs.items():
             row = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
-            row.update(workload=wl, method=m, batch=bsz, tok_per_s=row["tokens"] / row["seconds"])
+            row.update(workload=wl, method=m, batch=bsz, max_new=max_new, tok_per_s=row["tokens"] / row[key])
             rows[m] = row
-        base = min(rows[m]["seconds"] for m in ("hf", "plain") if m in rows)
+        base = min(("hf", "plain"), key=lambda m: rows[m][key] if m in rows else math.inf)
         for row in rows.values():
-            row["time_vs_plain"] = row["seconds"] / base
+            row["time_vs_plain"] = row[key] / rows[base][key]
+            row["per_token_vs_plain"] = (row[key] / row["tokens"]) / (rows[base][key] / rows[base]["tokens"])
             results.append(row)
 
-    print("\n## Rollout (median of repeats; time_vs_plain = seconds / best plain sampler)\n")
+    print(
+        f"\n## Rollout (median of repeats; {clock} clock; time_vs_plain = time / the faster plain sampler)\n"
+    )
     print_table(
         results,
-        [("workload", "{}"), ("batch", "{}"), ("method", "{}"), ("seconds", "{:.2f}"), ("time_vs_plain", "{:.3f}"),
-         ("tokens", "{:.0f}"), ("len_p50", "{:.0f}"), ("len_p90", "{:.0f}"), ("len_max", "{:.0f}"),
-         ("tok_per_s", "{:.0f}"), ("acceptance", "{:.3f}"), ("spec_frac", "{:.2f}"),
-         ("mean_k", "{:.2f}"), ("tok_per_step", "{:.2f}"), ("first_spec_batch", "{:.0f}")],
+        [("workload", "{}"), ("batch", "{}"), ("method", "{}"), ("wall_s", "{:.2f}"), ("cpu_s", "{:.2f}"),
+         ("time_vs_plain", "{:.3f}"), ("per_token_vs_plain", "{:.3f}"), ("tokens", "{:.0f}"),
+         ("len_p50", "{:.0f}"), ("len_p90", "{:.0f}"), ("len_max", "{:.0f}"), ("acceptance", "{:.3f}"),
+         ("spec_frac", "{:.2f}"), ("mean_k", "{:.2f}"), ("tok_per_step", "{:.2f}"), ("first_spec_batch", "{:.0f}")],
     )  # fmt: skip
     summary = {
         "benchmark": "speculative_rollout",
@@ -351,6 +381,7 @@ def main() -> None:
         "train_loss_final": sum(tail) / len(tail),
         "drafter": {"kernel": drafter.kernel, **mem, "build_s": t_build, "refresh_s": t_refresh},
         "alpha": alpha0,
+        "clock": clock,
         "calibration": calib,
         "results": results,
         "peak_rss_mb": peak_rss_bytes() / 2**20,

@@ -28,7 +28,7 @@ import logging
 import math
 import time
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -332,7 +332,7 @@ class SpeculationPolicy:
 
     @property
     def mode(self) -> str:
-        """ "auto", "fixed" or "never"."""
+        """The policy's mode: "auto", "fixed" or "never"."""
         if self.fixed_k is None:
             return "auto"
         return "fixed" if self.fixed_k > 0 else "never"
@@ -395,13 +395,15 @@ class SpeculationPolicy:
         top_k: int | None = None,
         top_p: float | None = None,
         progress: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
         **kwargs,
     ) -> SpeculationPolicy:
         """Time the target and the drafter on this machine and return an ``auto`` policy.
 
         Each grid point runs the sampler's own forward (ragged cache with rows at different
-        lengths, 4D mask, warping and sampling) over a cache of about ``context_len`` columns, ``repeats`` times after one warm-up, and
-        keeps the median. The cache contents do not matter for timing, so nothing is prefilled.
+        lengths, 4D mask, warping and sampling) over a cache of about ``context_len`` columns,
+        ``repeats`` times after one warm-up, and keeps the median. The cache contents do not
+        matter for timing, so nothing is prefilled.
 
         Args:
             model: the target model.
@@ -411,6 +413,8 @@ class SpeculationPolicy:
             repeats: timed repetitions per point.
             temperature, top_k, top_p: the sampling settings whose warping cost to include.
             progress: show a progress bar.
+            clock: seconds counter (``time.process_time`` measures CPU time, which on a shared
+                machine with one torch thread ignores other processes' load).
             **kwargs: ``ladder``, ``margin``, ``alpha_init``, ``ema``.
         """
         ladder = tuple(kwargs.get("ladder", DEFAULT_LADDER))
@@ -429,7 +433,7 @@ class SpeculationPolicy:
             batch = _Batch.fake(b, context_len + n, vocab, device)
             # Ragged rows (as after any speculative step): the per-row write path is timed.
             write = context_len - (torch.arange(b, device=device) % 2)
-            runner.reset(batch.size)
+            runner.reset()
             keep = 0 if which == "target" else 1
 
             def call(runner=runner, batch=batch, write=write, n=n, keep=keep, which=which) -> None:
@@ -442,10 +446,10 @@ class SpeculationPolicy:
             samples = []
             for _ in range(repeats):
                 _sync(device)
-                t0 = time.perf_counter()
+                t0 = clock()
                 call()
                 _sync(device)
-                samples.append(time.perf_counter() - t0)
+                samples.append(clock() - t0)
             times[(which, b, n)] = sorted(samples)[len(samples) // 2]
         cm = CostModel(
             list(batch_sizes),
@@ -466,7 +470,7 @@ class SpeculationPolicy:
         if self.mode != "auto" or cap < 1:
             k = min(self.fixed_k or 0, max(cap, 0))
             return Decision(k, float("nan"), self.alpha, batch_size)
-        best_k, best = 0, 1.0
+        best_k, best = 0, -math.inf
         for k in self.ladder:
             if k > cap:
                 break
@@ -712,7 +716,7 @@ class _Runner:
         self.calls = 0
         self.cache = _RaggedCache(self.num_layers, cache_capacity)
 
-    def reset(self, bsz: int) -> None:
+    def reset(self) -> None:
         self.cache = _RaggedCache(self.num_layers, self.capacity)
 
     def select(self, keep: torch.Tensor) -> None:
