@@ -126,15 +126,17 @@ def train(
             v0 = int(torch.randint(2, MAX_V, (), generator=g))
             p = prompt(v0, g)
             c = countdown(v0, g)
-            # A window of the sequence: the prompt and the first part of the completion, or a later
-            # part of a long completion (with its position offset).
-            start = (
-                0
-                if float(torch.rand((), generator=g)) < 0.5
-                else int(torch.randint(0, max(1, len(c) - 8), (), generator=g))
-            )
-            seq = (p + c)[start : start + window] if start == 0 else c[start : start + window]
-            off = 0 if start == 0 else len(p) + start
+            # A window of the sequence: the prompt and the first part of the completion (40%), the
+            # end of the completion with its EOS (30%), or a middle part (30%), at its true positions.
+            u = float(torch.rand((), generator=g))
+            if u < 0.4 or len(c) <= window:
+                start = 0
+            elif u < 0.7:
+                start = len(c) - window + 1
+            else:
+                start = int(torch.randint(1, len(c) - window + 1, (), generator=g))
+            seq = (p + c)[:window] if start == 0 else c[start - 1 : start - 1 + window]
+            off = 0 if start == 0 else len(p) + start - 1
             rows.append(seq)
             offsets.append(off)
             labels.append(len(p) if start == 0 else 1)  # first position whose next token is scored
@@ -160,6 +162,46 @@ def entropy_floor() -> float:
     """Per-token cross-entropy of the grammar itself (nats), on the scored completion tokens."""
     h = -(0.85 * torch.log(torch.tensor(0.85)) + 0.15 * torch.log(torch.tensor(0.15)))
     return float(h) * 0.97  # the EOS and v<=2 steps are deterministic: ~3% of tokens
+
+
+def kernel_table(model, drafter, rows=(1, 4, 16, 64), repeats: int = 20) -> list[dict]:
+    """Summed time of every linear layer at M input rows (ms): the policy's dense float32 layers,
+    the drafter's int4 layers (bfloat16 activations, as they run), and the same int4 op fed float32
+    activations (its slow scalar path: why the drafter computes in bfloat16)."""
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    quant = [drafter.quantized[n] for n, _ in layers]
+
+    def clock(calls) -> float:
+        with torch.no_grad():
+            for c in calls:
+                c()
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                for c in calls:
+                    c()
+        return 1e3 * (time.perf_counter() - t0) / repeats
+
+    out = []
+    for m_rows in rows:
+        dense = [(m, torch.randn(m_rows, m.in_features)) for _, m in layers]
+        q16 = [(q, torch.randn(m_rows, q.in_features, dtype=torch.bfloat16)) for q in quant]
+        q32 = [(q, torch.randn(m_rows, q.in_features), q.scales_and_zeros.float()) for q in quant]
+        row = {
+            "rows": m_rows,
+            "dense_fp32_ms": clock([lambda m=m, x=x: m(x) for m, x in dense]),
+            "int4_bf16_ms": clock([lambda q=q, x=x: q(x) for q, x in q16]),
+            "int4_fp32_ms": clock(
+                [
+                    lambda q=q, x=x, sz=sz: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                        x, q.packed, q.group_size, sz
+                    )
+                    for q, x, sz in q32
+                ]
+            ),
+        }
+        row["int4_over_dense"] = row["int4_bf16_ms"] / row["dense_fp32_ms"]
+        out.append(row)
+    return out
 
 
 def length_stats(lengths: torch.Tensor) -> dict[str, float]:
@@ -299,6 +341,16 @@ def main() -> None:
         f"# drafter {drafter.kernel} ({drafter.kernels}), {mem['drafter_bytes'] / 2**20:.1f} MiB = "
         f"{100 * mem['overhead_fraction']:.1f}% of the policy; build {t_build:.2f} s, refresh {t_refresh:.2f} s"
     )
+    if args.device == "cpu":
+        kernels = kernel_table(model, drafter)
+        print("\n## Linear layers, summed over the model (ms per forward at M rows)\n")
+        print_table(
+            kernels,
+            [("rows", "{}"), ("dense_fp32_ms", "{:.2f}"), ("int4_bf16_ms", "{:.2f}"), ("int4_over_dense", "{:.3f}"),
+             ("int4_fp32_ms", "{:.2f}")],
+        )  # fmt: skip
+    else:
+        kernels = []  # the CUDA int4 op has a different layout; the calibration table covers it
     clock = args.clock or ("cpu" if args.threads == 1 else "wall")
     calib_batches = [int(b) for b in args.calib_batches.split(",")]
     t_cal, policy = timed(
@@ -383,6 +435,7 @@ def main() -> None:
         "alpha": alpha0,
         "clock": clock,
         "calibration": calib,
+        "linear_layers": kernels,
         "results": results,
         "peak_rss_mb": peak_rss_bytes() / 2**20,
     }

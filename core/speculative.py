@@ -201,7 +201,8 @@ class CostModel:
         batch_sizes: ascending grid of active batch sizes.
         target_s: tokens-per-row ``n`` -> seconds of a target forward (with warping) at each batch size.
             Needs ``n = 1`` and ``n = k + 1`` for the draft lengths to be considered.
-        draft_s: ``n`` (1 and 2) -> seconds of a drafter call (with warping and sampling) per batch size.
+        draft_s: ``n`` -> seconds of a drafter call (with warping and sampling) per batch size; needs
+            ``n = 1``, and ``n = 2`` (a step's first call); larger ``n`` time the catch-up after plain steps.
         context_len: the cached context the timings were taken at.
     """
 
@@ -301,16 +302,19 @@ class SpeculationPolicy:
         alpha_init: acceptance estimate before any speculative step.
         ema: weight of the newest step in the acceptance estimate.
         fixed_k: draft length in ``fixed`` mode; 0 means ``never``.
+        horizon_fraction: share of the remaining token budget expected to be generated, when
+            weighing the saving of turning speculation on against the drafter's catch-up.
     """
 
     def __init__(
         self,
         cost_model: CostModel | None = None,
         ladder: Sequence[int] = DEFAULT_LADDER,
-        margin: float = 0.05,
+        margin: float = 0.1,
         alpha_init: float = 0.8,
         ema: float = 0.2,
         fixed_k: int | None = None,
+        horizon_fraction: float = 0.5,
     ) -> None:
         if cost_model is None and fixed_k is None:
             raise ValueError(
@@ -329,6 +333,7 @@ class SpeculationPolicy:
         self.alpha = alpha_init
         self.ema = ema
         self.fixed_k = fixed_k
+        self.horizon_fraction = horizon_fraction
 
     @property
     def mode(self) -> str:
@@ -370,7 +375,8 @@ class SpeculationPolicy:
         Args:
             batch_sizes: ascending grid of active batch sizes.
             target_s: tokens per row -> seconds of a target forward per batch size (n = 1 and k + 1).
-            draft_s: tokens per row (1, 2) -> seconds of a drafter call per batch size.
+            draft_s: tokens per row (1, 2, and optionally more for catch-ups) -> seconds of a drafter
+                call per batch size.
             context_len: the context length the timings were taken at.
             **kwargs: ``ladder``, ``margin``, ``alpha_init``, ``ema``.
         """
@@ -421,10 +427,12 @@ class SpeculationPolicy:
         ns_target = sorted({1} | {k + 1 for k in ladder})
         sampling = _Sampling(temperature > 0, temperature or 1.0, top_k, top_p, None)
         target = _Runner(model, cache_capacity=context_len + max(ns_target))
-        draft = _Runner(drafter.model, cache_capacity=context_len + 2)
+        draft = _Runner(drafter.model, cache_capacity=context_len + 16)
         device = target.device
+        # Drafter: one token (drafting), two (the first call of a step), 16 (the slope of a catch-up).
+        ns_draft = (1, 2, 16)
         jobs = [(b, "target", n) for b in batch_sizes for n in ns_target] + [
-            (b, "draft", n) for b in batch_sizes for n in (1, 2)
+            (b, "draft", n) for b in batch_sizes for n in ns_draft
         ]
         times: dict[tuple[str, int, int], float] = {}
         vocab = model.config.get_text_config().vocab_size
@@ -454,31 +462,49 @@ class SpeculationPolicy:
         cm = CostModel(
             list(batch_sizes),
             {n: [times[("target", b, n)] for b in batch_sizes] for n in ns_target},
-            {n: [times[("draft", b, n)] for b in batch_sizes] for n in (1, 2)},
+            {n: [times[("draft", b, n)] for b in batch_sizes] for n in ns_draft},
             context_len,
         )
         return cls(cost_model=cm, **kwargs)
 
-    def decide(self, batch_size: int, max_k: int | None = None) -> Decision:
-        """Draft length for the next step (0: plain) given the active batch size.
+    def decide(
+        self, batch_size: int, max_k: int | None = None, lag: int = 2, horizon: int | None = None
+    ) -> Decision:
+        """Draft length for the next step (0: plain).
+
+        Turning speculation on has a one-off cost: the drafter must first process the tokens it
+        skipped while off (``lag`` of them per row). It turns on only when the predicted speedup
+        exceeds ``1 + margin`` *and* the time it saves over ``horizon_fraction`` of the remaining
+        token budget pays for that catch-up; once on (``lag <= 2``) it stays on while the speedup
+        exceeds ``1 + margin / 2`` (hysteresis: no flapping around the threshold).
 
         Args:
             batch_size: active sequences.
             max_k: the longest useful draft this step (the largest remaining token budget minus one).
+            lag: tokens per row the drafter has not processed (2 while speculating).
+            horizon: the largest remaining token budget of the active rows (None: unbounded).
         """
         cap = self.max_draft if max_k is None else min(self.max_draft, max_k)
         if self.mode != "auto" or cap < 1:
             k = min(self.fixed_k or 0, max(cap, 0))
             return Decision(k, float("nan"), self.alpha, batch_size)
+        cm = self.cost_model
         best_k, best = 0, -math.inf
         for k in self.ladder:
             if k > cap:
                 break
-            s = self.cost_model.speedup(batch_size, k, self.alpha)
+            s = cm.speedup(batch_size, k, self.alpha)
             if s > best:
                 best_k, best = k, s
-        if best <= 1.0 + self.margin:
+        on = lag <= 2
+        if best <= 1.0 + (self.margin / 2 if on else self.margin):
             return Decision(0, best, self.alpha, batch_size)
+        if not on and horizon is not None:
+            # Time saved per token = t_plain * (1 - 1 / speedup); the catch-up costs the drafter's
+            # forward over `lag` tokens minus the two it processes on every speculative step anyway.
+            saved = cm.target(batch_size, 1) * (1 - 1 / best) * horizon * self.horizon_fraction
+            if saved <= cm.draft(batch_size, lag) - cm.draft(batch_size, 2):
+                return Decision(0, best, self.alpha, batch_size)
         return Decision(best_k, best, self.alpha, batch_size)
 
     def observe(self, accepted: int, rejected: int) -> None:
@@ -938,7 +964,7 @@ class SpeculativeSampler:
         while batch.size:
             remaining = int((limit - batch.seq_len).max())
             decision = (
-                policy.decide(batch.size, max_k=remaining - 1)
+                policy.decide(batch.size, max_k=remaining - 1, lag=lag, horizon=remaining)
                 if spec_on
                 else Decision(0, float("nan"), float("nan"), batch.size)
             )

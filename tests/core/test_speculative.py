@@ -54,7 +54,7 @@ class ScriptedPolicy(SpeculationPolicy):
         super().__init__(fixed_k=max(script))
         self.script, self.i = list(script), 0
 
-    def decide(self, batch_size, max_k=None):
+    def decide(self, batch_size, max_k=None, **kwargs):
         k = self.script[self.i % len(self.script)]
         self.i += 1
         return Decision(min(k, max(max_k or 0, 0)), float("nan"), self.alpha, batch_size)
@@ -466,6 +466,10 @@ def test_policy_speculates_only_where_it_pays():
     low = policy.decide(1)
     assert policy.alpha < 0.2 and low.k < small.k
     assert policy.decide(1, max_k=0).k == 0
+    # Turning on costs a drafter catch-up over `lag` tokens: only worth it with enough budget left.
+    policy.alpha = 0.9
+    assert policy.decide(1, lag=100, horizon=1).k == 0
+    assert policy.decide(1, lag=100, horizon=1000).k == small.k
     cm = policy.cost_model
     assert abs(cm.target(32, 1) - (1.0 + 3.0 * 31 / 63)) < 1e-9  # linear in the batch between grid points
     assert [r["best_k"] for r in cm.table(0.9)][0] == small.k if policy.alpha == 0.9 else True
@@ -491,7 +495,7 @@ def test_calibrate_times_both_models():
         model, drafter, batch_sizes=(1, 4), context_len=16, repeats=1, progress=False, ladder=(1, 2)
     )
     cm = policy.cost_model
-    assert sorted(cm.target_s) == [1, 2, 3] and sorted(cm.draft_s) == [1, 2]
+    assert sorted(cm.target_s) == [1, 2, 3] and sorted(cm.draft_s) == [1, 2, 16]
     assert all(t > 0 for ts in [*cm.target_s.values(), *cm.draft_s.values()] for t in ts)
     assert isinstance(policy.decide(2), Decision)
 
