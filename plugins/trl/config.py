@@ -113,7 +113,7 @@ class TreeOptions:
         default=4, metadata={"help": "Draft length for speculative_policy='always'."}
     )
     speculative_margin: float = field(
-        default=0.05,
+        default=0.1,
         metadata={
             "help": "'auto' speculates only when the predicted speedup exceeds 1 + speculative_margin."
         },
