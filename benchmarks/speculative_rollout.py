@@ -14,7 +14,8 @@
      auto      SpeculativeSampler with the calibrated policy
      always    SpeculativeSampler with SpeculationPolicy.fixed(--always-k)
    Workloads: ``longtail`` (--batch prompts, 85% short completions of 5-35 tokens, 15% long of
-   170-310), ``short`` (--batch prompts, all short), ``few-long`` (4 prompts, all long).
+   170-310), ``short`` (--batch prompts, all short, budget --short-max-new-tokens), ``few-long``
+   (4 prompts, all long) and ``one-long`` (1 prompt, long).
    Ratios are wall time over the faster plain sampler (hf or plain) in the same run; --repeats
    runs per method (median), methods interleaved.
 
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
@@ -284,7 +284,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--window", type=int, default=48)
     ap.add_argument("--batch", type=int, default=64, help="prompts in the longtail and short workloads")
-    ap.add_argument("--workloads", default="longtail,short,few-long")
+    ap.add_argument("--workloads", default="longtail,short,few-long,one-long")
     ap.add_argument("--methods", default="hf,plain,auto,always")
     ap.add_argument("--max-new-tokens", type=int, default=320)
     ap.add_argument("--short-max-new-tokens", type=int, default=48, help="budget of the short workload")
@@ -360,13 +360,19 @@ def main() -> None:
         )
     )  # fmt: skip
 
-    # Warm the acceptance estimate on a few prompts (not timed), as a policy would across RL steps.
+    # Warm the acceptance estimate (not timed), as a policy carries it across RL steps: a few short
+    # and long prompts of the task, always speculating.
+    wg = torch.Generator().manual_seed(99)
     warm_ids, warm_mask = left_pad(
-        [prompt(v, torch.Generator().manual_seed(v)) for v in workload("short", 8, 99)], args.device
+        [prompt(v, wg) for v in workload("short", 4, 98) + workload("long", 4, 99)], args.device
     )
     probe = SpeculationPolicy.fixed(args.always_k)
     SpeculativeSampler(model, drafter, probe).generate(
-        warm_ids, warm_mask, max_new_tokens=64, eos_token_id=EOS, generator=torch.Generator().manual_seed(2)
+        warm_ids,
+        warm_mask,
+        max_new_tokens=128,
+        eos_token_id=EOS,
+        generator=torch.Generator(args.device).manual_seed(2),
     )
     policy.alpha = probe.alpha
     alpha0 = policy.alpha
@@ -380,13 +386,17 @@ def main() -> None:
          ("draft_over_target", "{:.3f}"), ("verify_over_target", "{:.3f}"), ("best_k", "{}"), ("speedup", "{:.3f}")],
     )  # fmt: skip
 
+    t_decide, _ = timed(lambda: [policy.decide(b % 64 + 1, 8, 2 + b % 3, 300) for b in range(10000)])
+    policy.alpha = alpha0
+    print(f"# policy.decide: {1e6 * t_decide / 10000:.1f} us per decode step")
+
     methods = args.methods.split(",")
     key = "cpu_s" if clock == "cpu" else "wall_s"
     results = []
     for wl in args.workloads.split(","):
-        bsz = 4 if wl == "few-long" else args.batch
+        bsz = {"few-long": 4, "one-long": 1}.get(wl, args.batch)
         max_new = args.short_max_new_tokens if wl == "short" else args.max_new_tokens
-        v0s = workload("long" if wl == "few-long" else wl, bsz, args.seed + 1)
+        v0s = workload("long" if wl.endswith("-long") else wl, bsz, args.seed + 1)
         g = torch.Generator().manual_seed(args.seed + 2)
         ids, mask = left_pad([prompt(v, g) for v in v0s], args.device)
         runs: dict[str, list[dict]] = {m: [] for m in methods}
@@ -408,14 +418,20 @@ def main() -> None:
             row = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
             row.update(workload=wl, method=m, batch=bsz, max_new=max_new, tok_per_s=row["tokens"] / row[key])
             rows[m] = row
-        base = min(("hf", "plain"), key=lambda m: rows[m][key] if m in rows else math.inf)
-        for row in rows.values():
-            row["time_vs_plain"] = row[key] / rows[base][key]
-            row["per_token_vs_plain"] = (row[key] / row["tokens"]) / (rows[base][key] / rows[base]["tokens"])
+        # Ratios are paired: each run against the plain run of the same repeat (adjacent in time),
+        # then the median over repeats, which cancels slow drifts in the machine's load.
+        base = "plain" if "plain" in runs else methods[0]
+        for m, row in rows.items():
+            pairs = list(zip(runs[m], runs[base], strict=False))
+            row["time_vs_plain"] = statistics.median(x[key] / y[key] for x, y in pairs)
+            row["per_token_vs_plain"] = statistics.median(
+                (x[key] / x["tokens"]) / (y[key] / y["tokens"]) for x, y in pairs
+            )
             results.append(row)
 
     print(
-        f"\n## Rollout (median of repeats; {clock} clock; time_vs_plain = time / the faster plain sampler)\n"
+        f"\n## Rollout (median of repeats; {clock} clock; time_vs_plain: median over repeats of time / plain's time"
+        " in the same repeat)\n"
     )
     print_table(
         results,
@@ -434,6 +450,7 @@ def main() -> None:
         "drafter": {"kernel": drafter.kernel, **mem, "build_s": t_build, "refresh_s": t_refresh},
         "alpha": alpha0,
         "clock": clock,
+        "decide_us": 1e6 * t_decide / 10000,
         "calibration": calib,
         "linear_layers": kernels,
         "results": results,
