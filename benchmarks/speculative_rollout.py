@@ -330,9 +330,11 @@ def main() -> None:
     if args.save_model:
         torch.save(model.state_dict(), args.save_model)
     tail = losses[-max(1, len(losses) // 10) :]
-    print(
-        f"# {len(losses)} steps, loss {losses[0]:.3f} -> {sum(tail) / len(tail):.3f} (grammar floor ~{entropy_floor():.3f})"
-    )
+    if not args.load_model:
+        print(
+            f"# {len(losses)} steps, loss {losses[0]:.3f} -> {sum(tail) / len(tail):.3f} "
+            f"(grammar floor ~{entropy_floor():.3f})"
+        )
 
     t_build, drafter = timed(lambda: Drafter.from_policy(model, bits=args.bits, group_size=args.group_size))
     t_refresh, _ = timed(lambda: drafter.refresh(model))
@@ -445,13 +447,19 @@ def main() -> None:
         "machine": machine(),
         "args": vars(args),
         "params_m": n_params / 1e6,
-        "train_steps": len(losses),
+        "train_steps": 0 if args.load_model else len(losses),
         "train_loss_final": sum(tail) / len(tail),
         "drafter": {"kernel": drafter.kernel, **mem, "build_s": t_build, "refresh_s": t_refresh},
         "alpha": alpha0,
         "clock": clock,
         "decide_us": 1e6 * t_decide / 10000,
         "calibration": calib,
+        "cost_model": {  # SpeculationPolicy.from_timings(**this) rebuilds the policy
+            "batch_sizes": policy.cost_model.batch_sizes,
+            "target_s": policy.cost_model.target_s,
+            "draft_s": policy.cost_model.draft_s,
+            "context_len": policy.cost_model.context_len,
+        },
         "linear_layers": kernels,
         "results": results,
         "peak_rss_mb": peak_rss_bytes() / 2**20,

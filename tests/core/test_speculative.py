@@ -461,18 +461,25 @@ def test_policy_speculates_only_where_it_pays():
     assert small.k > 2 and small.speedup > 2
     assert big.k == 0 and big.speedup < 1.05
     # The draft length follows the acceptance estimate down the ladder, then speculation stops.
+    ks = []
     for _ in range(30):
         policy.observe(accepted=1, rejected=9)
-    low = policy.decide(1)
-    assert policy.alpha < 0.2 and low.k < small.k
+        ks.append(policy.decide(1).k)
+    assert policy.alpha < 0.2 and ks[0] <= small.k and ks[-1] == 0
+    assert all(a >= b for a, b in itertools.pairwise(ks)) and len(set(ks)) > 2
     assert policy.decide(1, max_k=0).k == 0
     # Turning on costs a drafter catch-up over `lag` tokens: only worth it with enough budget left.
     policy.alpha = 0.9
     assert policy.decide(1, lag=100, horizon=1).k == 0
     assert policy.decide(1, lag=100, horizon=1000).k == small.k
+    # Hysteresis: a gain between 1 + margin / 2 and 1 + margin keeps speculation on, but does not
+    # turn it on.
+    gain = policy.decide(1).speedup
+    policy.margin = (gain - 1) * 1.5
+    assert policy.decide(1, lag=2).k > 0 and policy.decide(1, lag=3).k == 0
     cm = policy.cost_model
     assert abs(cm.target(32, 1) - (1.0 + 3.0 * 31 / 63)) < 1e-9  # linear in the batch between grid points
-    assert [r["best_k"] for r in cm.table(0.9)][0] == small.k if policy.alpha == 0.9 else True
+    assert cm.table(0.9)[0]["best_k"] == small.k and cm.table(0.9)[1]["speedup"] < 1
 
 
 def test_policy_and_cost_model_validation():
