@@ -309,6 +309,30 @@ def test_generation_config_supplies_eos_and_pad():
     assert (out.completion_lengths < 16).any()
 
 
+def test_wrapped_model_and_refresh_between_calls():
+    class Wrapper(nn.Module):  # what DDP / DeepSpeed engines look like: the model under .module
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    model = make_model("llama-gqa", **SIZES)
+    model.generation_config.eos_token_id = None
+    drafter = Drafter.from_policy(Wrapper(model), bits=4, group_size=32)
+    sampler = SpeculativeSampler(Wrapper(model), drafter, SpeculationPolicy.fixed(3))
+    ids, mask = left_padded_batch()
+    kwargs = dict(max_new_tokens=12, temperature=0, eos_token_id=[])
+    first = sampler.generate(ids, mask, **kwargs)
+    with torch.no_grad():  # an optimizer step on the policy, then the drafter follows it
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    drafter.refresh(Wrapper(model))
+    second = sampler.generate(ids, mask, **kwargs)
+    want = model.generate(
+        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12, pad_token_id=0
+    )
+    assert torch.equal(second.sequences, want) and not torch.equal(first.sequences, second.sequences)
+
+
 # ----------------------------------------------------------------------------- sampling
 
 
