@@ -387,17 +387,7 @@ class TreeTrainingMixin:
                         f"the GRPO loss is {total.item()} (NaN/inf) on this step's rollouts (e.g. NaN rewards or "
                         "advantages); nothing was accumulated"
                     )
-                flat = [t for pair in leaves for t in pair]
-                g = torch.autograd.grad(total, flat, allow_unused=True)
-                g_lp, g_ent = [], []
-                for i, lay in enumerate(layouts):
-                    lp_leaf, ent_leaf = leaves[i]
-                    glp = g[2 * i] if g[2 * i] is not None else torch.zeros_like(lp_leaf)
-                    gent = g[2 * i + 1] if g[2 * i + 1] is not None else torch.zeros_like(ent_leaf)
-                    g_lp += gather_rows(glp.detach().cpu(), lay.scored)
-                    g_ent += gather_rows(gent.detach().cpu(), lay.scored)
-                if not any(bool(t.any()) for t in g_ent):
-                    g_ent = None
+                g_lp, g_ent = _leaf_gradients(total, leaves, layouts)
                 start = time.perf_counter()
                 executor.backward(forest, grad_logprobs=g_lp, grad_entropies=g_ent)
                 backward_time = time.perf_counter() - start
@@ -460,8 +450,6 @@ class TreeTrainingMixin:
 
     def _constant_gradients(self, model, window, layouts):
         """TRL's loss gradient, evaluated (quietly) at two points; None if they differ."""
-        widths = [len(lay.scored) for lay in layouts]
-        total = sum(widths)
         probes = []
         for value in (0.0, -1.0):
             lps, ents = [], []
@@ -473,32 +461,23 @@ class TreeTrainingMixin:
             with self._quiet():
                 losses, leaves = self._window_losses(model, window, layouts, lps, ents, grad=True)
                 loss = torch.stack([x.reshape(()) for x in losses]).sum()
-                flat = [t for pair in leaves for t in pair]
-                g = torch.autograd.grad(loss, flat, allow_unused=True)
-            g = [gi if gi is not None else torch.zeros_like(t) for gi, t in zip(g, flat, strict=True)]
-            probes.append(g)
-        if not all(torch.equal(a, b) for a, b in zip(probes[0], probes[1], strict=True)):
+                probes.append(_leaf_gradients(loss, leaves, layouts))
+        (lp0, ent0), (lp1, ent1) = probes
+        pairs = list(zip(lp0, lp1, strict=True)) + list(zip(ent0 or [], ent1 or [], strict=True))
+        if (ent0 is None) != (ent1 is None) or not all(torch.equal(a, b) for a, b in pairs):
             logger.info(
-                "the GRPO loss gradient depends on the log-prob values in this configuration: forkrl adds a "
+                "the loss gradient depends on the log-prob values in this configuration: forkrl adds a "
                 "scoring pass before the tree backward from now on"
             )
             self._tree_fused_ok = False
             return None
-        g = probes[0]
-        g_lp, g_ent = [], []
-        for i, lay in enumerate(layouts):
-            g_lp += gather_rows(g[2 * i].detach().cpu(), lay.scored)
-            g_ent += gather_rows(g[2 * i + 1].detach().cpu(), lay.scored)
-        for t in g_lp + g_ent:
+        for t in lp0 + (ent0 or []):
             if not torch.isfinite(t).all():
                 raise ValueError(
-                    "the GRPO loss gradient is NaN/inf for some tokens (e.g. NaN rewards or advantages); nothing was "
+                    "the loss gradient is NaN/inf for some tokens (e.g. NaN rewards or advantages); nothing was "
                     "accumulated"
                 )
-        assert len(g_lp) == total
-        if not any(bool(t.any()) for t in g_ent):
-            g_ent = None
-        return g_lp, g_ent
+        return lp0, ent0
 
     @contextlib.contextmanager
     def _quiet(self) -> Iterator[None]:
@@ -555,6 +534,22 @@ class TreeTrainingMixin:
         metrics["tree/mode"].append(float(MODE_CODES[mode]))
         metrics["tree/backward_time"].append(stats[:, 2].max().item())
         metrics["tree/score_time"].append(stats[:, 3].max().item())
+
+
+def _leaf_gradients(loss: torch.Tensor, leaves, layouts: list[RowLayout]):
+    """d loss / d (log-prob, entropy) leaves, cut back to per-sequence ``[n_i]`` tensors (CPU).
+
+    Returns:
+        (per-sequence log-prob gradients, per-sequence entropy gradients or None when all zero).
+    """
+    flat = [t for pair in leaves for t in pair]
+    grads = torch.autograd.grad(loss, flat, allow_unused=True)
+    g_lp, g_ent = [], []
+    for i, lay in enumerate(layouts):
+        for out, g, leaf in ((g_lp, grads[2 * i], flat[2 * i]), (g_ent, grads[2 * i + 1], flat[2 * i + 1])):
+            g = g if g is not None else torch.zeros_like(leaf)
+            out += gather_rows(g.detach().cpu(), lay.scored)
+    return g_lp, (g_ent if any(bool(t.any()) for t in g_ent) else None)
 
 
 class GRPOTrainer(TreeTrainingMixin, _TRLGRPOTrainer):

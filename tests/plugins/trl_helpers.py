@@ -11,39 +11,28 @@ from typing import Any
 
 import torch
 from datasets import Dataset
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 PAD, EOS = 256, 257
 VOCAB = 260
 
 
+def _example(name: str):
+    """A module from examples/ (not a package), loaded by path."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"forkrl_example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level tokenizer without merges, plus <pad> and <eos>."""
-    table = pre_tokenizers.ByteLevel.alphabet()
-    byte_map = {}
-    # ByteLevel's alphabet in byte order, as GPT-2's bytes_to_unicode.
-    bs = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    for b, c in zip(bs, cs, strict=True):
-        byte_map[chr(c)] = b
-    assert set(byte_map) == set(table)
-    vocab = dict(byte_map)
-    vocab["<pad>"], vocab["<eos>"] = PAD, EOS
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
-    return fast
+    """Byte-level tokenizer without merges, <pad> = 256 and <eos> = 257: the example's own."""
+    tok = _example("trl_grpo_tree").byte_tokenizer()
+    assert (tok.pad_token_id, tok.eos_token_id) == (PAD, EOS)
+    return tok
 
 
 def save_tiny_llama(path: Path, seed: int = 0, **overrides: Any) -> str:
