@@ -30,9 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import SavedBytes, machine, peak_rss_bytes  # noqa: E402
 
 from forkrl.core import PrefixForest, TreeExecutor  # noqa: E402
+from forkrl.core.executor import plan  # noqa: E402
 
 # A tiny GQA Llama: keys/values are small next to activations, as in real long-context models.
-TINY = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1)
+TINY = dict(
+    hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1
+)
 
 
 def make_model(vocab: int, max_pos: int):
@@ -45,30 +48,54 @@ def make_model(vocab: int, max_pos: int):
 
 
 def batch(P: int, G: int, R: int, vocab: int):
+    """One prompt ``[P]``, G responses ``[R]`` and their coefficients ``[R]`` (the prompt held once)."""
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (P,), generator=g)
-    seqs = [torch.cat([prompt, torch.randint(0, vocab, (R,), generator=g)]) for _ in range(G)]
+    responses = [torch.randint(0, vocab, (R,), generator=g) for _ in range(G)]
     coefs = [torch.randn(R, generator=g) / (G * R) for _ in range(G)]
-    return seqs, [P] * G, coefs
+    return prompt, responses, coefs
 
 
 def run_one(method: str, P: int, G: int, R: int, block: int, vocab: int, split: bool = True) -> dict:
-    """One method on one configuration, in this process (called in a child process)."""
+    """One method on one configuration, in this process (called in a child process).
+
+    Both methods hold the prompt's token ids once: dense forms each prompt+response sequence when
+    it trains it; forkrl forms all G to build its forest, which keeps the prompt once, and drops them.
+    """
     model = make_model(vocab, P + R + 1)
-    seqs, sf, coefs = batch(P, G, R, vocab)
+    prompt, responses, coefs = batch(P, G, R, vocab)
     meter = SavedBytes()
     base_rss = _rss()
     t0 = time.perf_counter()
     with meter.measure():
         if method == "dense":
-            for seq, s, c in zip(seqs, sf, coefs, strict=True):
+            total = G
+            for k, (resp, c) in enumerate(zip(responses, coefs, strict=True)):
+                progress(k, G)
+                seq = torch.cat([prompt, resp])
                 logits = model(input_ids=seq[None], logits_to_keep=R + 1).logits[0, :-1]
-                lp = torch.log_softmax(logits.float(), -1).gather(-1, seq[s:, None])[:, 0]
+                lp = torch.log_softmax(logits.float(), -1).gather(-1, seq[P:, None])[:, 0]
                 (lp * c).sum().backward()
+                del seq, logits, lp
         else:
-            forest = PrefixForest.build(seqs, sf)
-            ex = TreeExecutor(model, mode="replay", block_size=block, prompt_grad=method, split_attention=split)
+            forest = PrefixForest.build([torch.cat([prompt, r]) for r in responses], [P] * G)
+            del prompt, responses
+            ex = TreeExecutor(
+                model, mode="replay", block_size=block, prompt_grad=method, split_attention=split
+            )
+            units, _ = plan(forest, block)
+            inner = sum(1 for u in units if u.children)  # prompt blocks: forwarded twice by "exact"
+            total = len(units) - inner + inner * (2 if method == "exact" else 1)
+            forward, calls = ex._forward_unit, [0]
+
+            def counted(*a):
+                progress(calls[0], total)
+                calls[0] += 1
+                return forward(*a)
+
+            ex._forward_unit = counted
             ex.backward(forest, coefs)
+    progress(total, total)
     seconds = time.perf_counter() - t0
     peak = peak_rss_bytes()
     return {
@@ -82,13 +109,40 @@ def run_one(method: str, P: int, G: int, R: int, block: int, vocab: int, split: 
     }
 
 
+_last_report = [0.0]
+
+
+def progress(done: int, total: int) -> None:
+    """A progress line on stderr (at most one a second; the parent shows the child's stderr)."""
+    now = time.perf_counter()
+    if done < total and now - _last_report[0] < 1.0:
+        return
+    _last_report[0] = now
+    end = "\n" if done >= total else ""
+    print(
+        f"\r    {done}/{total} forwards ({100 * done / max(total, 1):.0f}%)",
+        end=end,
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
 def in_child(method: str, P: int, G: int, args, limit_gib: float | None = None) -> dict | None:
-    cmd = [sys.executable, __file__, "--one", f"{method}:{P}:{G}", "--R", str(args.R), "--block-size", str(args.block_size)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--one",
+        f"{method}:{P}:{G}",
+        "--R",
+        str(args.R),
+        "--block-size",
+        str(args.block_size),
+    ]
     if not args.split:
         cmd.append("--no-split")
     if limit_gib:
@@ -100,7 +154,8 @@ def in_child(method: str, P: int, G: int, args, limit_gib: float | None = None) 
         # although live memory does not (measured: +5% from G=2 to G=8 at P=32k); large blocks
         # from mmap go back to the OS on free. Applied to every method alike.
         env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    print(f"  {method} P={P} G={G}:", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)  # stderr: the child's progress
     if proc.returncode != 0:
         return None
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -140,11 +195,15 @@ def main() -> None:
     ap.add_argument("--G-max", dest="G_max", type=int, default=8, help="group size for --find-max")
     ap.add_argument("--max-search", type=int, default=1 << 21)
     ap.add_argument(
-        "--no-mmap", dest="mmap", action="store_false",
+        "--no-mmap",
+        dest="mmap",
+        action="store_false",
         help="leave glibc's malloc thresholds alone (peak RSS then includes heap fragmentation)",
     )
     ap.add_argument(
-        "--no-split", dest="split", action="store_false",
+        "--no-split",
+        dest="split",
+        action="store_false",
         help="TreeExecutor(split_attention=False): the model's masked sdpa over the prompt cache",
     )
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
@@ -158,7 +217,9 @@ def main() -> None:
     methods = args.methods.split(",")
     if args.find_max:
         for m in methods:
-            rows.append({"method": m, "max_P": find_max(m, args), "G": args.G_max, "budget_gib": args.budget_gib})
+            rows.append(
+                {"method": m, "max_P": find_max(m, args), "G": args.G_max, "budget_gib": args.budget_gib}
+            )
         print("| method | G | longest prompt in budget |\n|---|---|---|")
         for r in rows:
             print(f"| {r['method']} | {r['G']} | {r['max_P']} |")

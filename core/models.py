@@ -23,6 +23,8 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
+from .attention import PastPieces
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["ModelAdapter", "NodeKV", "UnsupportedModelError"]
@@ -50,6 +52,35 @@ class _Recording:
 
 class _RecordingLayer(_Recording, DynamicLayer):
     """Full-attention layer that records its new keys/values."""
+
+
+class _PiecewiseLayer(_RecordingLayer):
+    """Full-attention layer that keeps the ancestors' keys/values as separate pieces.
+
+    ``update`` returns only the node's own keys/values, with the pieces attached for
+    :func:`forkrl.core.attention.split_attention`; no context-sized tensor is concatenated.
+    """
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], past_len: int) -> None:
+        super().__init__()
+        self.pieces = PastPieces(keys, values)
+        self.past_len = past_len
+
+    def update(self, key_states, value_states, *args, **kwargs):  # noqa: D102
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.new_keys, self.new_values = key_states, value_states
+        if self.past_len == 0:
+            return key_states, value_states
+        keys = key_states.view_as(key_states)  # an alias to carry the pieces, not the recorded tensor
+        keys.forkrl_past = self.pieces
+        return keys, value_states
+
+    def get_seq_length(self) -> int:  # noqa: D102
+        return self.past_len
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:  # noqa: D102
+        return self.past_len + query_length, 0
 
 
 class _RecordingSlidingLayer(_Recording, DynamicSlidingWindowLayer):
@@ -119,7 +150,16 @@ class NodeKV:
         return [t for layer in self.layers for t in layer]
 
     def detached(self, requires_grad: bool) -> NodeKV:
-        return NodeKV([tuple(t.detach().requires_grad_(requires_grad) for t in lay) for lay in self.layers])
+        """Leaf copies for the descendants. A tensor that views a larger buffer (values sliced out
+        of a fused QKV projection, say) is copied, so the buffer is not kept alive with it."""
+        return NodeKV([tuple(_own(t).requires_grad_(requires_grad) for t in lay) for lay in self.layers])
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        return t.clone()
+    return t
 
 
 def _batched(t: torch.Tensor, batch: int, copy: bool = False) -> torch.Tensor:
@@ -205,12 +245,16 @@ class ModelAdapter:
     def num_layers(self) -> int:
         return len(self.layer_kinds)
 
-    def make_cache(self, past: list[LayerPast], past_len: int, batch: int = 1) -> DynamicCache:
+    def make_cache(
+        self, past: list[LayerPast], past_len: int, batch: int = 1, pieces: bool = False
+    ) -> DynamicCache:
         """A fresh cache holding ``past`` (per layer, the ancestors' key/value pieces).
 
         The pieces are concatenated here (out of place), so gradient reaches every piece; a cache
         is never reused after a forward appended to it. ``batch`` > 1 shares the past among that
-        many sequences (broadcast, no copy until the forward appends).
+        many sequences (broadcast, no copy until the forward appends). ``pieces=True`` (only with
+        :func:`forkrl.core.attention.split_attention` selected) keeps them separate instead, so no
+        copy of the context is made at all.
         """
         cache = DynamicCache(config=self.base.config)
         layers = []
@@ -221,6 +265,11 @@ class ModelAdapter:
                     nearest = [_batched(t, batch, copy=True) for t in past[i][-1]]
                     layer.set_past(nearest[0], nearest[1] if len(nearest) > 1 else None)
                 layers.append(layer)
+                continue
+            if pieces and kind == "full":
+                keys = [_batched(kv[0], batch) for kv in past[i]] if past_len > 0 else []
+                values = [_batched(kv[1], batch) for kv in past[i]] if past_len > 0 else []
+                layers.append(_PiecewiseLayer(keys, values, past_len))
                 continue
             if kind == "sliding":
                 window = cache.layers[i].sliding_window
@@ -252,7 +301,11 @@ class ModelAdapter:
                         "a conv/recurrent layer did not update its state through the cache; forkrl cannot "
                         "carry its state between tree nodes: train this model without tree_packing"
                     )
-                state = (layer.new_conv,) if layer.new_recurrent is None else (layer.new_conv, layer.new_recurrent)
+                state = (
+                    (layer.new_conv,)
+                    if layer.new_recurrent is None
+                    else (layer.new_conv, layer.new_recurrent)
+                )
                 out.append(state)
             else:
                 out.append((layer.new_keys, layer.new_values))
@@ -281,6 +334,14 @@ class ModelAdapter:
         out = self.decoder(
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, **kwargs
         )
+        if cache is not None:
+            for layer in cache.layers:
+                if isinstance(layer, _PiecewiseLayer) and layer.past_len > 0 and layer.pieces.used != 1:
+                    raise UnsupportedModelError(
+                        f"{type(self.base).__name__}'s attention did not receive the keys its cache returned "
+                        f"(used the ancestors' cache {layer.pieces.used} times, expected once), so forkrl's "
+                        "mask-free attention cannot run in it: use TreeExecutor(split_attention=False)"
+                    )
         return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
     def logits(self, hidden: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cmp_to_key
 
 import numpy as np
 import torch
@@ -77,7 +78,9 @@ def _as_token_array(seq: Sequence[int] | torch.Tensor | np.ndarray, i: int) -> n
             raise ValueError(f"sequence {i}: tokens must be integers, got {arr.dtype} values")
         arr = arr.astype(np.int64, copy=False)
     if arr.size == 0:
-        raise ValueError(f"sequence {i} is empty: every sequence needs at least one context token and one scored token")
+        raise ValueError(
+            f"sequence {i} is empty: every sequence needs at least one context token and one scored token"
+        )
     if (arr < 0).any():
         bad = int(arr[arr < 0][0])
         raise ValueError(f"sequence {i}: token ids must be >= 0, found {bad}")
@@ -90,6 +93,14 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
         return 0
     diff = np.flatnonzero(a[:n] != b[:n])
     return int(diff[0]) if diff.size else n
+
+
+def _compare(a: np.ndarray, b: np.ndarray) -> int:
+    """-1, 0 or 1 as ``a`` sorts before, with or after ``b`` lexicographically (a prefix first)."""
+    k = _common_prefix(a, b)
+    if k == min(len(a), len(b)):
+        return (len(a) > len(b)) - (len(a) < len(b))
+    return -1 if a[k] < b[k] else 1
 
 
 class PrefixForest:
@@ -169,7 +180,8 @@ class PrefixForest:
         forest = cls()
         forest.lengths = lengths
         forest.score_from = [int(s) for s in score_from]
-        order = sorted(range(len(arrays)), key=lambda i: arrays[i].tolist())
+        # Lexicographic order, compared in numpy (a key of Python ints would cost ~36 bytes a token).
+        order = sorted(range(len(arrays)), key=cmp_to_key(lambda i, j: _compare(arrays[i], arrays[j])))
         # lcp[k] = common prefix length of sorted neighbours k-1 and k.
         lcp = [0] + [_common_prefix(arrays[order[k - 1]], arrays[order[k]]) for k in range(1, len(order))]
         forest._build_nodes(arrays, order, lcp)
@@ -290,9 +302,7 @@ class PrefixForest:
                 if min_score[c] <= self.nodes[c].start:
                     child_slot[c] = node.entry_offset + n_in + k
                     k += 1
-        first_in = {
-            node.index: max(1, min_score[node.index] - node.start) for node in self.nodes
-        }
+        first_in = {node.index: max(1, min_score[node.index] - node.start) for node in self.nodes}
         self.seq_entries = []
         for s, path in enumerate(self.paths):
             idx: list[np.ndarray] = []
