@@ -241,7 +241,55 @@ def main() -> None:
                     f"| {r['P']} | {r['G']} | {r['method']} | {r['seconds']:.1f} | {r['saved_peak_mb']:.1f} | "
                     f"{r['peak_rss_mb']:.0f} |"
                 )
+        fits = fit_memory(rows, args.budget_gib)
+        if fits:
+            print(
+                f"\nPeak RSS = intercept + slope x P (least squares over the P above), and the longest prompt "
+                f"that would fit in {args.budget_gib:g} GiB by that line (extrapolated, not run):\n"
+            )
+            print(
+                "| method | G | KiB per prompt token | intercept MiB | max residual MiB | longest prompt in budget |"
+            )
+            print("|---|---|---|---|---|---|")
+            for f in fits:
+                print(
+                    f"| {f['method']} | {f['G']} | {f['kib_per_token']:.3f} | {f['intercept_mib']:.0f} | "
+                    f"{f['max_residual_mib']:.2f} | {f['max_P_extrapolated'] / 1e6:.2f}M |"
+                )
+            rows = rows + fits
     print(json.dumps({"benchmark": "long_context", "machine": machine(), "args": vars(args), "rows": rows}))
+
+
+def fit_memory(rows: list[dict], budget_gib: float) -> list[dict]:
+    """Per (method, G) with at least two prompt lengths: the straight line through peak RSS over P,
+    and the P at which it reaches the budget."""
+    fits = []
+    keys = sorted({(r["method"], r["G"]) for r in rows if not r.get("failed")}, key=str)
+    for method, G in keys:
+        pts = sorted(
+            (r["P"], r["peak_rss_mb"])
+            for r in rows
+            if (r["method"], r["G"]) == (method, G) and not r.get("failed")
+        )
+        if len({p for p, _ in pts}) < 2:
+            continue
+        P = torch.tensor([p for p, _ in pts], dtype=torch.float64)
+        M = torch.tensor([m for _, m in pts], dtype=torch.float64)
+        A = torch.stack([P, torch.ones_like(P)], 1)
+        slope, intercept = torch.linalg.lstsq(A, M[:, None]).solution[:, 0].tolist()
+        fits.append(
+            {
+                "method": method,
+                "G": G,
+                "kib_per_token": slope * 1024,
+                "intercept_mib": intercept,
+                "max_residual_mib": float(
+                    (A @ torch.tensor([slope, intercept], dtype=torch.float64) - M).abs().max()
+                ),
+                "max_P_extrapolated": int((budget_gib * 1024 - intercept) / slope),
+            }
+        )
+    return fits
 
 
 if __name__ == "__main__":

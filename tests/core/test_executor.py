@@ -297,9 +297,13 @@ def test_prompt_grad_option_is_validated():
         TreeExecutor(model, mode="packed", prompt_grad="none")
 
 
-def test_split_attention_is_used_and_exact(monkeypatch):
-    """The mask-free CPU attention runs in tree passes, matches dense, and leaves the config as it was."""
+@pytest.mark.parametrize("min_piece", [1, 1 << 10])
+def test_split_attention_is_used_and_exact(monkeypatch, min_piece):
+    """The mask-free CPU attention runs in tree passes (scoring batches of sibling leaves too), matches
+    dense, and leaves the config as it was; every ancestor as its own piece, or short ones joined."""
     import forkrl.core.attention as attn
+
+    monkeypatch.setattr(attn, "MIN_PIECE", min_piece)
 
     calls = {"split": 0}
     real = attn._SplitAttention.apply
@@ -319,8 +323,10 @@ def test_split_attention_is_used_and_exact(monkeypatch):
         for split in (True, False):
             calls["split"] = 0
             model.zero_grad(set_to_none=True)
-            res = TreeExecutor(model, mode="replay", block_size=3, split_attention=split).backward(forest, c_lp, c_ent)
+            ex = TreeExecutor(model, mode="replay", block_size=3, split_attention=split)
+            res = ex.backward(forest, c_lp, c_ent)
             assert max_rel_err(res.logprobs, lp_d) < TOL
+            assert max_rel_err(ex.score(forest).logprobs, lp_d) < TOL
             assert max_rel_err(grads(model), g_d) < TOL
             assert (calls["split"] > 0) == split
     assert model.config._attn_implementation == "sdpa"
