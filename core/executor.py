@@ -448,7 +448,12 @@ class TreeExecutor:
         then two allocations per layer rather than two per block and layer (each allocation of a
         block's keys costs a page more than its bytes: 1.6% of the cache at 2048-token blocks).
         """
-        if unit.node_len == len(unit.tokens):
+        if unit.node_len == len(unit.tokens) or any(
+            t.dim() != 4 or t.shape[0] != 1
+            for layer, kind in zip(kv.layers, self.adapter.layer_kinds, strict=True)
+            if kind != "state"
+            for t in layer
+        ):
             return kv.detached(requires_grad)
         if unit.offset == 0:
             arenas[unit.node] = [None] * len(kv.layers)
@@ -460,18 +465,20 @@ class TreeExecutor:
                 out.append(NodeKV([layer]).detached(requires_grad).layers[0])
                 continue
             if buffers[i] is None:
-                shape = lambda t: (*t.shape[:-2], unit.node_len, t.shape[-1])  # noqa: E731
+                # [node_len, kv_heads, head_dim]: a block is a contiguous slice, seen as [1, kv, n, d]
+                # (the layout the projections produce), and its gradient slice has the same strides.
+                shape = lambda t: (unit.node_len, t.shape[1], t.shape[3])  # noqa: E731
                 data = tuple(t.new_empty(shape(t)) for t in layer)
                 grads = tuple(t.new_zeros(shape(t)) for t in layer) if requires_grad else None
                 buffers[i] = (data, grads)
             data, grads = buffers[i]
             leaves = []
             for j, t in enumerate(layer):
-                view = data[j][..., a:b, :]
+                view = data[j][a:b].permute(1, 0, 2).unsqueeze(0)
                 view.copy_(t.detach())
                 leaf = view.detach().requires_grad_(requires_grad)
                 if requires_grad:
-                    leaf.grad = grads[j][..., a:b, :]
+                    leaf.grad = grads[j][a:b].permute(1, 0, 2).unsqueeze(0)
                 leaves.append(leaf)
             out.append(tuple(leaves))
         return NodeKV(out)
