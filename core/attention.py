@@ -133,6 +133,9 @@ class PastPieces:
     :class:`forkrl.core.models.ModelAdapter` hands them to :func:`split_attention` this way instead
     of concatenating them with the node's keys, which would copy the whole context for every node.
     ``used`` counts the attention calls that consumed them (the adapter checks it is one).
+
+    Args:
+        keys, values: one ``[B, kv, n_i, d]`` tensor per ancestor piece, in position order.
     """
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
