@@ -297,8 +297,11 @@ def test_prompt_grad_option_is_validated():
         TreeExecutor(model, mode="packed", prompt_grad="none")
 
 
-@pytest.mark.parametrize("min_piece", [1, 1 << 10])
-def test_split_attention_is_used_and_exact(monkeypatch, min_piece):
+@pytest.mark.parametrize(
+    "name,min_piece",
+    [("llama-gqa", 1), ("llama-gqa", 1 << 10), ("llama-mha", 1), ("llama-mqa", 1), ("qwen2", 1), ("qwen3", 1)],
+)
+def test_split_attention_is_used_and_exact(monkeypatch, name, min_piece):
     """The mask-free CPU attention runs in tree passes (scoring batches of sibling leaves too), matches
     dense, and leaves the config as it was; every ancestor as its own piece, or short ones joined."""
     import forkrl.core.attention as attn
@@ -314,7 +317,7 @@ def test_split_attention_is_used_and_exact(monkeypatch, min_piece):
 
     monkeypatch.setattr(attn._SplitAttention, "apply", counting)
     monkeypatch.setattr(attn, "MIN_SPLIT_ELEMENTS", 0)  # split even these tiny nodes
-    model = make_model("llama-gqa")
+    model = make_model(name)
     seqs, sf = deep_tree()
     c_lp, c_ent = _coefs(seqs, sf, 13)
     forest = PrefixForest.build(seqs, sf)
