@@ -21,12 +21,17 @@ MODELS = {
 }
 
 
-def make_llama(name: str, dtype: torch.dtype = torch.float32, attn: str = "sdpa", max_pos: int = 1 << 18):
-    """A randomly initialised Llama of one of the sizes in :data:`MODELS`."""
+def make_llama(
+    name: str, dtype: torch.dtype = torch.float32, attn: str = "sdpa", max_pos: int = 1 << 18, **overrides
+):
+    """A randomly initialised Llama of one of the sizes in :data:`MODELS` (seed 0).
+
+    ``overrides`` are ``LlamaConfig`` fields that replace the size's own (e.g. ``num_hidden_layers=2``).
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hidden, layers, heads, kv, inter, vocab = MODELS[name]
-    cfg = LlamaConfig(
+    fields = dict(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=inter,
@@ -35,6 +40,7 @@ def make_llama(name: str, dtype: torch.dtype = torch.float32, attn: str = "sdpa"
         num_key_value_heads=kv,
         max_position_embeddings=max_pos,
     )
+    cfg = LlamaConfig(**{**fields, **overrides})
     cfg._attn_implementation = attn
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).to(dtype)

@@ -27,24 +27,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SavedBytes, machine, peak_rss_bytes  # noqa: E402
+from common import SavedBytes, machine, make_llama, peak_rss_bytes  # noqa: E402
 
 from forkrl.core import PrefixForest, TreeExecutor  # noqa: E402
 from forkrl.core.executor import plan  # noqa: E402
 
-# A tiny GQA Llama: keys/values are small next to activations, as in real long-context models.
-TINY = dict(
-    hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1
-)
+# MODELS' tiny with 2 layers and one key/value head: keys/values are small next to activations, as
+# in real long-context models.
+TINY = dict(num_hidden_layers=2, num_key_value_heads=1)
 
 
 def make_model(vocab: int, max_pos: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=vocab, max_position_embeddings=max_pos, **TINY)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg)
+    return make_llama("tiny", max_pos=max_pos, vocab_size=vocab, **TINY)
 
 
 def batch(P: int, G: int, R: int, vocab: int):

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MODELS, machine, peak_rss_bytes, print_table, timed  # noqa: E402
+from common import MODELS, machine, make_llama, peak_rss_bytes, print_table, timed  # noqa: E402
 
 from forkrl.core.speculative import Drafter, SpeculationPolicy, SpeculativeSampler  # noqa: E402
 
@@ -50,26 +50,18 @@ SHORT_V, LONG_V = (6, 40), (200, 360)
 
 
 def make_model(name: str, device: str, vocab: int | None = None) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    hidden, layers, heads, kv, inter, default_vocab = MODELS[name]
-    vocab = vocab or default_vocab
-    inter = -(-inter // 128) * 128
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        max_position_embeddings=2048,
+    """A MODELS-size Llama with the grammar's special tokens and an int4-tileable MLP width."""
+    inter = MODELS[name][4]
+    model = make_llama(
+        name,
+        max_pos=2048,
+        vocab_size=vocab or MODELS[name][5],
+        intermediate_size=-(-inter // 128) * 128,
         bos_token_id=BOS,
         eos_token_id=EOS,
         pad_token_id=PAD,
     )
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).to(device)
+    return model.to(device)
 
 
 def countdown(v0: int, g: torch.Generator) -> list[int]:

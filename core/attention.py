@@ -111,19 +111,24 @@ def _coalesce(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
     """Concatenate runs of short pieces (one kernel call per piece costs more than a small copy)."""
     out: list[torch.Tensor] = []
     run: list[torch.Tensor] = []
+    run_len = 0
+
+    def flush() -> None:
+        nonlocal run, run_len
+        if run:
+            out.append(torch.cat(run, dim=-2) if len(run) > 1 else run[0])
+        run, run_len = [], 0
+
     for p in pieces:
         if p.shape[-2] >= MIN_PIECE:
-            if run:
-                out.append(torch.cat(run, dim=-2) if len(run) > 1 else run[0])
-                run = []
+            flush()
             out.append(p)
             continue
         run.append(p)
-        if sum(r.shape[-2] for r in run) >= MIN_PIECE:
-            out.append(torch.cat(run, dim=-2) if len(run) > 1 else run[0])
-            run = []
-    if run:
-        out.append(torch.cat(run, dim=-2) if len(run) > 1 else run[0])
+        run_len += p.shape[-2]
+        if run_len >= MIN_PIECE:
+            flush()
+    flush()
     return out
 
 

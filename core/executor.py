@@ -448,12 +448,7 @@ class TreeExecutor:
         then two allocations per layer rather than two per block and layer (each allocation of a
         block's keys costs a page more than its bytes: 1.6% of the cache at 2048-token blocks).
         """
-        if unit.node_len == len(unit.tokens) or any(
-            t.dim() != 4 or t.shape[0] != 1
-            for layer, kind in zip(kv.layers, self.adapter.layer_kinds, strict=True)
-            if kind != "state"
-            for t in layer
-        ):
+        if unit.node_len == len(unit.tokens):
             return kv.detached(requires_grad)
         if unit.offset == 0:
             arenas[unit.node] = [None] * len(kv.layers)
