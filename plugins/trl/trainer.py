@@ -227,12 +227,8 @@ class TreeTrainingMixin:
         stats = out.stats
         mode = "train" if self.model.training else "eval"
         metrics = self._metrics[mode]
-        spec = stats.as_metrics(prefix="")
-        metrics["spec/acceptance"].append(stats.acceptance_rate)
-        metrics["spec/speculated_fraction"].append(stats.speculated_fraction)
-        metrics["spec/draft_len"].append(spec["mean_draft_length"])
-        metrics["spec/mean_accepted_length"].append(stats.mean_accepted_length)
-        metrics["spec/rollout_time"].append(stats.wall_time_s)
+        for key, value in stats.as_metrics().items():
+            metrics[key].append(value)
         return completion_ids, None
 
     def _mode_for(self, forest: PrefixForest) -> str:

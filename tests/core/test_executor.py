@@ -9,18 +9,30 @@ import torch
 
 from forkrl.core import PrefixForest, TreeExecutor, UnsupportedModelError
 from forkrl.core.testing import Float64Mode
+from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err
+from forkrl.core.testing.models import tiny_causal_lm as make_model
 
 from .forests import FORESTS, deep_tree, grpo_group
-from .models import dense_logprobs, grads, make_model, max_rel_err
 
 TOL = 1e-10
 
-ATTENTION_CASES = [("keep", None), ("replay", None), ("replay", 1), ("replay", 7), ("replay", 1000), ("packed", None)]
+ATTENTION_CASES = [
+    ("keep", None),
+    ("replay", None),
+    ("replay", 1),
+    ("replay", 7),
+    ("replay", 1000),
+    ("packed", None),
+]
 STATE_CASES = [("keep", None), ("replay", 1), ("replay", 7)]
 
 MODEL_CASES = (
     [("llama-gqa", f, m, b) for f in FORESTS for m, b in ATTENTION_CASES]
-    + [(name, "deep", m, b) for name in ("llama-mha", "llama-mqa", "qwen2", "qwen3") for m, b in ATTENTION_CASES]
+    + [
+        (name, "deep", m, b)
+        for name in ("llama-mha", "llama-mqa", "qwen2", "qwen3")
+        for m, b in ATTENTION_CASES
+    ]
     + [(name, "deep", m, b) for name in ("mistral-swa", "gemma2") for m, b in STATE_CASES]
     + [(name, f, m, b) for name in ("lfm2", "qwen3next") for f in ("grpo", "deep") for m, b in STATE_CASES]
 )
@@ -28,8 +40,14 @@ MODEL_CASES = (
 
 def _coefs(seqs, score_from, seed):
     g = torch.Generator().manual_seed(seed)
-    lp = [torch.randn(len(s) - f, generator=g, dtype=torch.float64) for s, f in zip(seqs, score_from, strict=True)]
-    ent = [torch.randn(len(s) - f, generator=g, dtype=torch.float64) for s, f in zip(seqs, score_from, strict=True)]
+    lp = [
+        torch.randn(len(s) - f, generator=g, dtype=torch.float64)
+        for s, f in zip(seqs, score_from, strict=True)
+    ]
+    ent = [
+        torch.randn(len(s) - f, generator=g, dtype=torch.float64)
+        for s, f in zip(seqs, score_from, strict=True)
+    ]
     return lp, ent
 
 
@@ -110,7 +128,9 @@ def test_eager_attention_is_exact_in_every_mode():
 def test_lora_model():
     peft = pytest.importorskip("peft", reason="peft is in the dev extra")
     base = make_model("llama-gqa")
-    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    )
     for p in model.parameters():
         if p.requires_grad:
             p.data.normal_(0, 0.05)
@@ -248,7 +268,9 @@ def test_sequence_longer_than_the_model_is_refused():
         TreeExecutor(model).score(forest)
 
 
-@pytest.mark.parametrize("name,mode,block", [("llama-gqa", "keep", None), ("llama-gqa", "replay", 3), ("lfm2", "replay", 4)])
+@pytest.mark.parametrize(
+    "name,mode,block", [("llama-gqa", "keep", None), ("llama-gqa", "replay", 3), ("lfm2", "replay", 4)]
+)
 def test_prompt_grad_none_is_the_truncated_gradient(name, mode, block):
     """prompt_grad='none' equals the plain computation with the prompt's activations held constant."""
     from transformers import DynamicCache
@@ -271,7 +293,9 @@ def test_prompt_grad_none_is_the_truncated_gradient(name, mode, block):
                 model.model(input_ids=prompt, cache=cache, use_cache=True)  # a fresh constant cache
             comp = torch.as_tensor(seq[P:])[None]
             pos = torch.arange(P, len(seq))[None]
-            h = model.model(input_ids=comp, position_ids=pos, cache=cache, use_cache=True).last_hidden_state[0]
+            h = model.model(input_ids=comp, position_ids=pos, cache=cache, use_cache=True).last_hidden_state[
+                0
+            ]
             logits = model.lm_head(torch.cat([h_last[None], h[:-1]]))
             logp = torch.log_softmax(logits, -1)
             lp = logp.gather(-1, comp[0, :, None])[:, 0]
@@ -299,12 +323,19 @@ def test_prompt_grad_option_is_validated():
 
 @pytest.mark.parametrize(
     "name,min_piece",
-    [("llama-gqa", 1), ("llama-gqa", 1 << 10), ("llama-mha", 1), ("llama-mqa", 1), ("qwen2", 1), ("qwen3", 1)],
+    [
+        ("llama-gqa", 1),
+        ("llama-gqa", 1 << 10),
+        ("llama-mha", 1),
+        ("llama-mqa", 1),
+        ("qwen2", 1),
+        ("qwen3", 1),
+    ],
 )
 def test_split_attention_is_used_and_exact(monkeypatch, name, min_piece):
     """The mask-free CPU attention runs in tree passes (scoring batches of sibling leaves too), matches
     dense, and leaves the config as it was; every ancestor as its own piece, or short ones joined."""
-    import forkrl.core.attention as attn
+    import forkrl.core.attention.split as attn
 
     monkeypatch.setattr(attn, "MIN_PIECE", min_piece)
 

@@ -9,8 +9,8 @@ import torch
 
 from forkrl.core import PrefixForest, TreeExecutor
 from forkrl.core.testing import Float64Mode, SavedBytes
-
-from .models import dense_logprobs, grads, make_model, max_rel_err
+from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err
+from forkrl.core.testing.models import tiny_causal_lm as make_model
 
 TOL = 1e-10
 
@@ -34,7 +34,7 @@ def test_exact_prompt_gradient_with_blocks(name, block, split, monkeypatch):
 
     With ``split`` the mask-free attention runs for every node that has a cache, over every
     ancestor block as its own piece (query heads folded onto their key/value head)."""
-    import forkrl.core.attention as attn
+    import forkrl.core.attention.split as attn
 
     monkeypatch.setattr(attn, "MIN_SPLIT_ELEMENTS", 0 if split else 1 << 62)
     monkeypatch.setattr(attn, "MIN_PIECE", 1)
@@ -93,7 +93,7 @@ class _CatSizes(torch.overrides.TorchFunctionMode):
 def test_replay_never_copies_the_prompt_cache(name, monkeypatch):
     """Blocks and branches attend to the prompt's cache piece by piece: no tensor as long as the
     prompt is concatenated (a per-branch copy of the cache would double its memory)."""
-    import forkrl.core.attention as attn
+    import forkrl.core.attention.split as attn
 
     monkeypatch.setattr(attn, "MIN_SPLIT_ELEMENTS", 0)
     monkeypatch.setattr(attn, "MIN_PIECE", 16)
@@ -117,9 +117,9 @@ def test_replay_never_copies_the_prompt_cache(name, monkeypatch):
 def test_attention_that_bypasses_the_cache_pieces_is_refused(monkeypatch):
     """A model whose attention does not get the keys its cache returned would silently drop the
     ancestors' context; the adapter notices and names the alternative."""
-    import forkrl.core.attention as attn
-    import forkrl.core.models as models
+    import forkrl.core.attention.split as attn
     from forkrl.core import UnsupportedModelError
+    from forkrl.core.executor import cache
 
     monkeypatch.setattr(attn, "MIN_SPLIT_ELEMENTS", 0)
 
@@ -127,7 +127,7 @@ def test_attention_that_bypasses_the_cache_pieces_is_refused(monkeypatch):
         self.new_keys, self.new_values = key_states, value_states
         return key_states.clone(), value_states  # the pieces do not travel with a copy
 
-    monkeypatch.setattr(models._PiecewiseLayer, "update", plain_update)
+    monkeypatch.setattr(cache.PiecewiseLayer, "update", plain_update)
     model = make_model("llama-gqa", dtype=torch.float32)
     seqs, sf, coefs = _long_group(P=40, G=2, R=4, vocab=model.config.vocab_size)
     with pytest.raises(UnsupportedModelError, match="split_attention=False"):
@@ -138,16 +138,17 @@ def test_prompt_blocks_share_one_cache_buffer_and_one_gradient_buffer(monkeypatc
     """The blocks of a long prompt keep their keys/values in one buffer per layer and accumulate
     their gradients into one more (per-block allocations would each cost a page of overhead)."""
     from forkrl.core.executor import TreeExecutor as Executor
+    from forkrl.core.executor.dfs import DepthFirstPass
 
     seen = []
-    real = Executor._cache_leaves
+    real = DepthFirstPass._cache_leaves
 
-    def recording(self, unit, kv, requires_grad, arenas):
-        leaves = real(self, unit, kv, requires_grad, arenas)
-        seen.append((unit.node_len > len(unit.tokens), leaves))
+    def recording(self, unit, kv, requires_grad):
+        leaves = real(self, unit, kv, requires_grad)
+        seen.append((unit.is_block, leaves))
         return leaves
 
-    monkeypatch.setattr(Executor, "_cache_leaves", recording)
+    monkeypatch.setattr(DepthFirstPass, "_cache_leaves", recording)
     model = make_model("llama-gqa", dtype=torch.float32)
     seqs, sf, coefs = _long_group(P=50, G=2, R=4, vocab=model.config.vocab_size)
     with warnings.catch_warnings(record=True) as caught:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from forkrl.core import PrefixForest, TreeExecutor
+from forkrl.core import PrefixForest, RowLayout, TreeExecutor, Window
 from forkrl.core.objective import TokenLocalCoefficients, backward_loss, pad, unpad
 from forkrl.core.testing import Float64Mode
+from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err
+from forkrl.core.testing.models import tiny_causal_lm as make_model
 
 from .forests import deep_tree, grpo_group, scored_shared
-from .models import dense_logprobs, grads, make_model, max_rel_err
 
 TOL = 1e-10
 LOSS_TOL = 1e-12
@@ -260,7 +261,12 @@ def test_token_local_coefficients_are_chunking_invariant_sums(forest_name, use_f
     want_lp = forest.scatter_add(unpad(g_lp, lengths))
     want_ent = forest.scatter_add(unpad(g_ent, lengths))
 
-    coef = TokenLocalCoefficients(forest, loss_fn, fill=old if use_fill else None, entropy=True)
+    layout = RowLayout.spans(
+        [forest.sequence_tokens(i) for i in range(forest.num_sequences)], forest.score_from
+    )
+    fill = [layout.from_host(old)] if use_fill else None
+    window_loss = lambda i, lp, ent: loss_fn(lp, ent, mask)  # noqa: E731
+    coef = TokenLocalCoefficients(forest, Window([layout]), window_loss, fill=fill, entropy=True)
     ids = torch.arange(forest.num_entries)
     perm = torch.randperm(forest.num_entries, generator=g)
     chunkings = [[ids], list(ids.split(1)), list(ids.split(3)), list(perm.split(4))]

@@ -30,8 +30,7 @@ from forkrl.core.speculative import (
     speculative_accept,
     warp_logits,
 )
-
-from .models import make_model
+from forkrl.core.testing.models import tiny_causal_lm as make_model
 
 # Intermediate 64 so every in_features (32, 64) fits int4 group size 32.
 SIZES = dict(intermediate_size=64)

@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 
 from forkrl.core import PrefixForest, TreeExecutor
 from forkrl.core.testing import Float64Mode
+from forkrl.core.testing.models import TEST_VOCAB as VOCAB
+from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err
+from forkrl.core.testing.models import tiny_causal_lm as make_model
 
 from .forests import FORESTS
-from .models import VOCAB, dense_logprobs, grads, make_model, max_rel_err
 
 TOL = 1e-10
 

@@ -12,6 +12,7 @@ so the executor forms logits only at the rows that some sequence scores.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cmp_to_key
@@ -151,8 +152,18 @@ class PrefixForest:
             ValueError: on an empty batch or sequence, a non-integer or negative token, or a
                 ``score_from`` out of range; the message names the sequence index.
         """
+        if isinstance(sequences, (str, bytes, torch.Tensor)) or not isinstance(sequences, Sequence):
+            raise TypeError(
+                f"sequences must be a list of token sequences (lists of ints or 1-D tensors), got "
+                f"{type(sequences).__name__}"
+            )
         if len(sequences) == 0:
             raise ValueError("PrefixForest.build needs at least one sequence, got an empty batch")
+        if score_from is None or isinstance(score_from, (str, bytes, float)):
+            raise TypeError(
+                f"score_from must give one completion start per sequence (a list of ints or a 1-D integer tensor), "
+                f"got {type(score_from).__name__}"
+            )
         if isinstance(score_from, torch.Tensor):
             score_from = score_from.reshape(-1).tolist() if score_from.dim() else [score_from.item()]
         if isinstance(score_from, (int, np.integer)):
@@ -374,18 +385,29 @@ class PrefixForest:
             per_sequence: one ``[len_i - score_from_i]`` tensor per sequence.
 
         Returns:
-            ``[num_entries]``: for each entry, the sum over the sequences that score it.
+            ``[num_entries]``: for each entry, the sum over the sequences that score it, in the
+            promoted dtype of the inputs (detached: the sums are coefficients, not a graph).
+
+        Raises:
+            ValueError: on a count or shape mismatch, or a non-floating tensor.
         """
         if len(per_sequence) != self.num_sequences:
             raise ValueError(
                 f"expected one tensor per sequence ({self.num_sequences}), got {len(per_sequence)}"
             )
-        ref = next((t for t in per_sequence if isinstance(t, torch.Tensor)), None)
-        dtype = ref.dtype if ref is not None else torch.float32
-        device = ref.device if ref is not None else torch.device("cpu")
+        tensors = [torch.as_tensor(t) for t in per_sequence]
+        for s, t in enumerate(tensors):
+            if not t.is_floating_point():
+                raise ValueError(
+                    f"sequence {s}: values of dtype {t.dtype}; per-token values must be real floating point "
+                    "(an integer tensor would truncate every other sequence's values to integers)"
+                )
+        # Promote over all of them, so one lower-precision tensor cannot round the others.
+        dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors), tensors[0].dtype)
+        device = tensors[0].device
         out = torch.zeros(self.num_entries, dtype=dtype, device=device)
-        for s, (vals, idx) in enumerate(zip(per_sequence, self.seq_entries, strict=True)):
-            vals = torch.as_tensor(vals, dtype=dtype, device=device)
+        for s, (vals, idx) in enumerate(zip(tensors, self.seq_entries, strict=True)):
+            vals = vals.detach().to(dtype=dtype, device=device)
             if vals.shape != idx.shape:
                 raise ValueError(
                     f"sequence {s}: expected {tuple(idx.shape)} values (len - score_from = "

@@ -19,16 +19,18 @@ context for every node: for long-context replay that copy was half again the mem
 and its gradient together. Query heads that share a key/value head are folded into the query
 length for the unmasked parts, so the pieces are not expanded to the query heads either.
 
-Registered with transformers' ``AttentionInterface`` under :data:`NAME`; the executor selects it for
-the duration of a tree pass only, for models using sdpa whose layers all attend fully (no sliding
-window, no logit softcapping). Anything else falls back to plain sdpa with an explicit mask.
+Registered with transformers' ``AttentionInterface`` under :data:`NAME` at first use
+(:func:`forkrl.core.attention.select`); the executor selects it for the duration of a tree pass
+only, for models using sdpa whose layers all attend fully (no sliding window, no logit
+softcapping). Anything else falls back to plain sdpa with an explicit mask.
 """
 
 from __future__ import annotations
 
 import torch
 from torch.nn import functional as F
-from transformers import AttentionInterface
+
+from .. import compat
 
 __all__ = ["NAME", "PastPieces", "split_attention"]
 
@@ -42,8 +44,8 @@ MIN_SPLIT_ELEMENTS = 1 << 22
 # Cache pieces shorter than this are concatenated before attention (kernel calls per piece).
 MIN_PIECE = 1024
 
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+_flash = compat.flash_cpu
+_flash_bwd = compat.flash_cpu_backward
 
 
 def _expand(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -216,6 +218,3 @@ def split_attention(
             keys, values = [key[:, :, :past]], [value[:, :, :past]]
         out = _SplitAttention.apply(query, k_self, v_self, scale, n_rep, len(keys), *keys, *values)
     return out.transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register(NAME, split_attention)

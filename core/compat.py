@@ -1,0 +1,369 @@
+"""Every private of transformers and torch that ``forkrl.core`` relies on, in one place.
+
+Each :class:`Private` names an attribute, op or field the rest of core uses, the versions it was
+checked against, and why forkrl needs it; the accessors below are the only code in core that
+touches them (the cache-layer subclasses in :mod:`forkrl.core.executor.cache` and the sampler's
+ragged cache override the public layer methods and reach the internal fields through here).
+``tests/core/test_compat.py`` runs every entry's check, so an upgrade that moves one fails in
+one place with the entry's name and reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AttentionInterface, PretrainedConfig
+from transformers.cache_utils import (
+    Cache,
+    DynamicCache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionLayer,
+)
+
+__all__ = [
+    "CHECKED",
+    "PRIVATES",
+    "Cache",
+    "DynamicCache",
+    "DynamicLayer",
+    "DynamicSlidingWindowLayer",
+    "LinearAttentionLayer",
+    "Private",
+    "attention_implementation",
+    "cache_from_layers",
+    "checkpointing_off",
+    "conv_past",
+    "flash_cpu",
+    "flash_cpu_backward",
+    "init_cache",
+    "int4_mm",
+    "int4_pack",
+    "int8_mm",
+    "mark_initialized",
+    "record_past",
+    "register_attention",
+    "seed_layer",
+    "seed_sliding_layer",
+    "seed_state_layer",
+    "set_attention_implementation",
+    "store_conv_state",
+    "store_recurrent_state",
+]
+
+#: The versions every entry below was read from and tested against.
+CHECKED = "torch 2.13.0, transformers 5.24.0"
+
+
+@dataclass(frozen=True)
+class Private:
+    """One private forkrl relies on.
+
+    Attributes:
+        name: dotted name of the attribute, op or field.
+        why: what forkrl does with it, and what breaks without it.
+        check: raises (AttributeError, AssertionError, ...) when the private is gone or changed.
+    """
+
+    name: str
+    why: str
+    check: Callable[[], None]
+
+
+PRIVATES: list[Private] = []
+
+
+def _private(name: str, why: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
+    def register(check: Callable[[], None]) -> Callable[[], None]:
+        PRIVATES.append(Private(name, why, check))
+        return check
+
+    return register
+
+
+def _params(fn: Callable) -> list[str]:
+    import inspect
+
+    return list(inspect.signature(fn).parameters)
+
+
+# ---------------------------------------------------------------------------- attention selection
+
+
+@_private(
+    "PretrainedConfig._attn_implementation",
+    "read to pick the attention path (sdpa/eager/flash) and written for the duration of a tree pass "
+    "to route attention through forkrl's split attention; the speculative sampler reads it to build "
+    "a mask the implementation accepts",
+)
+def _check_attn_impl() -> None:
+    cfg = PretrainedConfig()
+    cfg._attn_implementation = "sdpa"
+    assert cfg._attn_implementation == "sdpa"
+
+
+def attention_implementation(config: PretrainedConfig) -> str | None:
+    """The attention implementation a model config selects (``"sdpa"``, ``"eager"``, ...)."""
+    return getattr(config, "_attn_implementation", None)
+
+
+def set_attention_implementation(config: PretrainedConfig, name: str) -> None:
+    """Select attention implementation ``name`` (a registered :class:`AttentionInterface` key)."""
+    config._attn_implementation = name
+
+
+@_private(
+    "transformers.AttentionInterface.register",
+    "registers forkrl's split attention under its own name, selected only inside tree passes",
+)
+def _check_attention_interface() -> None:
+    assert callable(AttentionInterface.register)
+
+
+def register_attention(name: str, fn: Callable) -> None:
+    """Register an attention function with transformers under ``name``."""
+    AttentionInterface.register(name, fn)
+
+
+@_private(
+    "nn.Module.gradient_checkpointing",
+    "transformers' checkpointed layers drop the cache (past_key_values=None); the executor turns the flag "
+    "off on every module for the duration of a tree pass",
+)
+def _check_checkpointing_flag() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1
+    )
+    model = LlamaForCausalLM(cfg)
+    model.gradient_checkpointing_enable()
+    assert any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
+@contextlib.contextmanager
+def checkpointing_off(model: nn.Module) -> Iterator[bool]:
+    """Turn transformers' gradient checkpointing off for the duration; yields whether it was on."""
+    mods = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    for m in mods:
+        m.gradient_checkpointing = False
+    try:
+        yield bool(mods)
+    finally:
+        for m in mods:
+            m.gradient_checkpointing = True
+
+
+# ---------------------------------------------------------------------------- caches
+
+
+@_private(
+    "DynamicCache(config=...).layers",
+    "the executor builds a fresh cache per tree node and replaces its layers with forkrl's recording "
+    "layers seeded from the ancestors' tensors; the layer types tell attention, sliding and state layers apart",
+)
+def _check_cache_layers() -> None:
+    from transformers import LlamaConfig
+
+    cache = DynamicCache(config=LlamaConfig(num_hidden_layers=2))
+    assert len(cache.layers) == 2 and type(cache.layers[0]) is DynamicLayer
+    cache.layers = list(cache.layers)
+    assert "layers" in _params(Cache.__init__)
+
+
+def cache_from_layers(config: PretrainedConfig, layers: list) -> DynamicCache:
+    """A ``DynamicCache`` for ``config`` whose layers are ``layers`` (forkrl's own layer objects)."""
+    cache = DynamicCache(config=config)
+    cache.layers = layers
+    return cache
+
+
+def init_cache(cache: Cache, layers: list) -> None:
+    """Initialise a ``Cache`` subclass instance with ``layers`` (skipping ``DynamicCache.__init__``,
+    which would build layers from a config)."""
+    Cache.__init__(cache, layers=layers)
+
+
+@_private(
+    "DynamicLayer.lazy_initialization/is_initialized/keys/values",
+    "a node's cache layer is seeded with its ancestors' keys/values (leaf tensors) without copying; "
+    "the sampler's fixed-capacity layer allocates its own buffers",
+)
+def _check_dynamic_layer() -> None:
+    layer = DynamicLayer()
+    assert _params(DynamicLayer.lazy_initialization) == ["self", "key_states", "value_states"]
+    assert not layer.is_initialized
+    k = torch.zeros(1, 1, 2, 4)
+    seed_layer(layer, k, k)
+    assert layer.is_initialized and layer.keys is k and layer.get_seq_length() == 2
+    assert _params(DynamicLayer.get_mask_sizes) == ["self", "query_length"]
+    assert callable(DynamicLayer.batch_select_indices)
+
+
+def seed_layer(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Make ``layer`` hold ``keys``/``values`` (``[B, kv_heads, n, head_dim]``) as its past, by reference."""
+    layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys, values
+
+
+def mark_initialized(layer: DynamicLayer, device: torch.device) -> None:
+    """Mark a layer whose ``keys``/``values`` buffers its subclass allocated itself."""
+    layer.device = device
+    layer.is_initialized = True
+
+
+@_private(
+    "DynamicSlidingWindowLayer.sliding_window/cumulative_length",
+    "a sliding-window node is seeded with only the last window - 1 ancestor positions, and the layer must "
+    "still count every position before it for its mask",
+)
+def _check_sliding_layer() -> None:
+    layer = DynamicSlidingWindowLayer(sliding_window=4)
+    assert layer.sliding_window == 4
+    k = torch.zeros(1, 1, 3, 4)
+    seed_sliding_layer(layer, k, k, past_len=10)
+    assert layer.get_seq_length() == 10
+
+
+def seed_sliding_layer(
+    layer: DynamicSlidingWindowLayer, keys: torch.Tensor, values: torch.Tensor, past_len: int
+) -> None:
+    """Seed a sliding-window layer with the window's tail of a ``past_len``-position context."""
+    seed_layer(layer, keys, values)
+    layer.cumulative_length = past_len
+
+
+_STATE_FIELDS = (
+    "record_past",
+    "conv_states",
+    "recurrent_states",
+    "is_conv_states_initialized",
+    "is_recurrent_states_initialized",
+    "has_previous_state",
+    "device",
+    "dtype",
+)
+
+
+@_private(
+    "LinearAttentionLayer fields (conv_states, recurrent_states, has_previous_state, record_past, ...) and "
+    "update_conv_state/update_recurrent_state",
+    "hybrid conv/recurrent layers (LFM2, Qwen3-Next) keep state in these; forkrl seeds a node's state from "
+    "its parent's leaf tensors and overrides the updates to be out of place (transformers copies in place, "
+    "which breaks autograd through a restored state); record_past makes the model take its multi-token path",
+)
+def _check_state_layer() -> None:
+    layer = LinearAttentionLayer(number_of_states=1)
+    for name in _STATE_FIELDS:
+        assert hasattr(layer, name), name
+    assert _params(LinearAttentionLayer.update_conv_state)[:4] == [
+        "self",
+        "conv_states",
+        "state_idx",
+        "conv_kernel_size",
+    ]
+    assert _params(LinearAttentionLayer.update_recurrent_state)[:3] == [
+        "self",
+        "recurrent_states",
+        "state_idx",
+    ]
+
+
+def seed_state_layer(layer: LinearAttentionLayer, conv: torch.Tensor, recurrent: torch.Tensor | None) -> None:
+    """Give a conv/recurrent layer its parent's final states (``[B, C, kernel]``, recurrent or None)."""
+    layer.device, layer.dtype = conv.device, conv.dtype
+    layer.conv_states[0] = conv
+    layer.is_conv_states_initialized[0] = True
+    layer.has_previous_state[0] = True
+    if recurrent is not None:
+        layer.recurrent_states[0] = recurrent
+        layer.is_recurrent_states_initialized[0] = True
+
+
+def conv_past(layer: LinearAttentionLayer) -> torch.Tensor | None:
+    """The conv inputs the layer holds from earlier tokens, or None at the start of a path."""
+    return layer.conv_states[0] if layer.has_previous_state[0] else None
+
+
+def store_conv_state(layer: LinearAttentionLayer, full: torch.Tensor) -> None:
+    """Replace (out of place) the layer's conv state with ``full`` ``[B, C, n]``."""
+    if layer.device is None:
+        layer.device, layer.dtype = full.device, full.dtype
+    layer.conv_states[0] = full
+    layer.is_conv_states_initialized[0] = True
+    layer.has_previous_state[0] = True
+
+
+def store_recurrent_state(layer: LinearAttentionLayer, state: torch.Tensor) -> None:
+    """Replace (out of place) the layer's recurrent state."""
+    layer.recurrent_states[0] = state
+    layer.is_recurrent_states_initialized[0] = True
+
+
+def record_past(layer: LinearAttentionLayer) -> None:
+    """Make the model take its out-of-place multi-token path for every length."""
+    layer.record_past = True
+
+
+# ---------------------------------------------------------------------------- torch ops
+
+
+@_private(
+    "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu (+ _backward)",
+    "the CPU flash kernel returns the log-sum-exp, which the split attention merges across cache pieces; "
+    "its backward takes the merged output and log-sum-exp (the ring-attention identity)",
+)
+def _check_flash_cpu() -> None:
+    q = torch.randn(1, 2, 3, 8)
+    out, lse = flash_cpu(q, q, q, 0.0, True, scale=0.5)[:2]
+    assert out.shape == q.shape and lse.shape == (1, 2, 3)
+    grads = flash_cpu_backward(torch.ones_like(out), q, q, q, out, lse, 0.0, True, scale=0.5)
+    assert len(grads) == 3
+
+
+def flash_cpu(*args, **kwargs):
+    """``aten._scaled_dot_product_flash_attention_for_cpu``: ``(out [B, H, q, d], lse [B, H, q])``."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*args, **kwargs)
+
+
+def flash_cpu_backward(*args, **kwargs):
+    """``aten._scaled_dot_product_flash_attention_for_cpu_backward``: ``(dq, dk, dv)``."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*args, **kwargs)
+
+
+@_private(
+    "torch.ops.aten._convert_weight_to_int4pack(_for_cpu), _weight_int4pack_mm(_for_cpu), _weight_int8pack_mm",
+    "the drafter's low-bit linear layers run torch's own weight-only kernels (tinygemm int4 groupwise, "
+    "int8 per channel); where a kernel is missing the layer dequantizes instead",
+)
+def _check_low_bit_ops() -> None:
+    for op in ("_weight_int4pack_mm", "_weight_int8pack_mm", "_convert_weight_to_int4pack"):
+        assert hasattr(torch.ops.aten, op), op
+    for op in ("_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu"):
+        assert hasattr(torch.ops.aten, op), op
+
+
+def int4_pack(codes: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Pack ``[N, K]`` uint8 4-bit codes into the layout of the device's int4 kernel."""
+    if device.type == "cuda":
+        pairs = (codes[:, ::2] << 4) | codes[:, 1::2]  # [N, K/2] uint8, high nibble first
+        k = codes.shape[1]
+        tiles = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
+        return torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), tiles)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+
+
+def int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, sz: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ dequant(packed).T`` with tinygemm ``scales_and_zeros`` ``[K // group, N, 2]``."""
+    if x.device.type == "cuda":
+        return torch.ops.aten._weight_int4pack_mm(x, packed, group_size, sz)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, sz)
+
+
+def int8_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ (qweight * scales[:, None]).T`` for int8 ``[N, K]`` weights."""
+    return torch.ops.aten._weight_int8pack_mm(x, qweight, scales)

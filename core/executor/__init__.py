@@ -1,0 +1,28 @@
+"""The tree executor: a causal LM run depth-first over a prefix forest.
+
+- :mod:`.tree_executor`: :class:`TreeExecutor`, the public API (``score``, ``backward``).
+- :mod:`.dfs`: the depth-first pass, a state machine of named steps (keep and replay modes).
+- :mod:`.packed`: packed mode (one sequence with a tree attention mask).
+- :mod:`.head`: the LM head at scored rows, and the coefficients a gradient pass applies.
+- :mod:`.model`: the model adapter (decoder / LM head split, cache kinds, switches).
+- :mod:`.cache`: the per-node caches and what a node leaves in them.
+"""
+
+from ..tree import Unit, plan
+from .head import CoefficientFn
+from .model import ModelAdapter, UnsupportedModelError
+from .tree_executor import MODES, PROMPT_GRADS, ExecMode, PromptGrad, ScoreResult, TreeExecutor
+
+__all__ = [
+    "MODES",
+    "PROMPT_GRADS",
+    "CoefficientFn",
+    "ExecMode",
+    "ModelAdapter",
+    "PromptGrad",
+    "ScoreResult",
+    "TreeExecutor",
+    "Unit",
+    "UnsupportedModelError",
+    "plan",
+]

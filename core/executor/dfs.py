@@ -1,0 +1,266 @@
+"""One depth-first pass over a forest's execution units (keep and replay modes).
+
+The pass is a small state machine over three steps (:class:`Step`):
+
+- ``ENTER`` a unit: forward it over its ancestors' cache (with grad in keep mode; without in
+  replay mode and when scoring), apply the LM head at its scored rows, and hand its own
+  keys/values to its descendants as leaf tensors;
+- ``SCORE_LEAVES``: when scoring, a batch of sibling leaves in one forward;
+- ``LEAVE`` a unit: drop its cache; in replay mode forward it again with grad (same random
+  numbers), then backpropagate it once with its head's gradient plus the gradient its
+  descendants accumulated into its keys/values, which passes on to its ancestors.
+
+Only one root-to-leaf path is alive at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from ..tree import PrefixForest, Unit, plan
+from .cache import LayerPast, NodeKV, recorded
+from .head import ScoredHead
+
+__all__ = ["DepthFirstPass", "Step"]
+
+
+class Step(enum.Enum):
+    """The steps of a depth-first pass."""
+
+    ENTER = "enter"
+    LEAVE = "leave"
+    SCORE_LEAVES = "score leaves"
+
+
+@dataclass
+class _Frame:
+    """What a unit keeps between entering and leaving."""
+
+    hidden_rows: torch.Tensor | None = None  # [R, hidden] in the unit's graph (keep mode)
+    hidden_grad: torch.Tensor | None = None  # [R, hidden] gradient from the LM head
+    kv: NodeKV | None = None  # the unit's own keys/values (in graph when forwarded with grad)
+    leaves: NodeKV | None = None  # detached copies handed to descendants
+    rng: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # RNG state before the first forward
+
+
+class DepthFirstPass:
+    """A score (``grad=False``) or gradient pass of ``executor`` over ``forest``.
+
+    Args:
+        executor: the :class:`~forkrl.core.executor.TreeExecutor` (model, mode, options).
+        forest: the batch.
+        grad: a gradient pass (coefficients applied by ``head``) or a no-grad scoring pass.
+        head: writes log-probs/entropies and applies the coefficients.
+        pieces: hand the ancestors' caches to the attention as separate pieces (split attention).
+    """
+
+    def __init__(self, executor, forest: PrefixForest, grad: bool, head: ScoredHead, pieces: bool) -> None:
+        self.ex = executor
+        self.adapter = executor.adapter
+        self.grad, self.head, self.pieces = grad, head, pieces
+        block = executor.block_size if (executor.mode == "replay" or not grad) else None
+        self.units, self.roots = plan(forest, block)
+        self.replay = grad and executor.mode == "replay"
+        self.save_rng = self.replay and self.adapter.has_dropout()
+        self.past: list[LayerPast] = [[] for _ in range(self.adapter.num_layers)]
+        self.past_len = 0
+        self.frames: dict[int, _Frame] = {}
+        self.arenas: dict[int, list] = {}  # node -> per-layer cache buffers shared by its blocks
+        self.device = executor.device
+
+    def run(self) -> None:
+        stack: list[tuple[Step, object]] = [(Step.ENTER, r) for r in reversed(self.roots)]
+        while stack:
+            step, arg = stack.pop()
+            if step is Step.ENTER:
+                stack.extend(self.enter(arg))
+            elif step is Step.LEAVE:
+                self.leave(arg)
+            else:
+                self.score_leaves([self.units[i] for i in arg])
+
+    # ------------------------------------------------------------------ steps
+    def enter(self, u: int) -> list[tuple[Step, object]]:
+        """Forward unit ``u`` on the way down; returns the steps to push (popped in reverse)."""
+        unit = self.units[u]
+        frame = _Frame()
+        frozen = self.grad and unit.context_only and self.ex.prompt_grad == "none"
+        kv = self._forward_down(unit, frame, frozen)
+        if unit.children:
+            frame.leaves = self._cache_leaves(unit, kv, self.grad and not frozen)
+            if frozen:
+                frame.kv = frame.leaves  # constants either way; do not keep a second copy
+            for i in range(self.adapter.num_layers):
+                self.past[i].append(frame.leaves.layers[i])
+            self.past_len += len(unit.tokens)
+        self.frames[u] = frame
+        steps: list[tuple[Step, object]] = [(Step.LEAVE, u)]
+        children = unit.children
+        if not self.grad:
+            # Scoring: sibling leaves run as one right-padded batch (causal attention never lets a
+            # real token see the padding after it), bounded by score_batch_tokens.
+            leaf_kids = [c for c in children if not self.units[c].children]
+            children = [c for c in children if self.units[c].children]
+            steps += [(Step.SCORE_LEAVES, b) for b in self._leaf_batches(leaf_kids)]
+        return steps + [(Step.ENTER, c) for c in reversed(children)]
+
+    def leave(self, u: int) -> None:
+        """Drop unit ``u``'s cache; in a gradient pass, (re-forward and) backpropagate it."""
+        unit = self.units[u]
+        frame = self.frames.pop(u)
+        if unit.children:
+            for i in range(self.adapter.num_layers):
+                self.past[i].pop()
+            self.past_len -= len(unit.tokens)
+            if unit.offset == 0:
+                self.arenas.pop(unit.node, None)  # the blocks still running hold their slices
+        if not self.grad:
+            return
+        if frame.kv is None:  # replay: forward again with grad, with the same random numbers
+            ctx = _restore_rng(frame.rng, self.device) if frame.rng is not None else contextlib.nullcontext()
+            with ctx:
+                hidden, frame.kv = self._forward(unit)
+            frame.hidden_rows, frame.hidden_grad = self.head.unit(unit, hidden[0], grad=True)
+            del hidden
+        self._backpropagate(frame)
+
+    def score_leaves(self, batch: list[Unit]) -> None:
+        """No-grad forward of sibling leaves as one right-padded batch over their shared cache."""
+        width = max(len(u.tokens) for u in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        for b, u in enumerate(batch):
+            ids[b, : len(u.tokens)] = u.tokens
+        start = batch[0].start
+        pos = torch.arange(start, start + width, device=self.device).expand(len(batch), -1)
+        cache = self.adapter.make_cache(self.past, self.past_len, batch=len(batch), pieces=self.pieces)
+        hidden = self.adapter.hidden(ids.to(self.device), pos, cache=cache)
+        for b, u in enumerate(batch):
+            self.head.unit(u, hidden[b], grad=False)
+
+    # ------------------------------------------------------------------ pieces of the steps
+    def _forward_down(self, unit: Unit, frame: _Frame, frozen: bool) -> NodeKV:
+        """Forward a unit on the way down; returns its keys/values (``frame.kv`` is set only where
+        the way up needs no second forward)."""
+        # Keep mode forwards with grad once, on the way down. Replay forwards without grad here and
+        # again with grad on the way up, except for leaves, whose way up follows at once.
+        direct = self.grad and not frozen and (not self.replay or not unit.children)
+        if self.save_rng and not direct and not frozen:
+            frame.rng = _get_rng(self.device)
+        with torch.set_grad_enabled(direct):
+            hidden, kv = self._forward(unit)
+        if direct:
+            frame.hidden_rows, frame.hidden_grad = self.head.unit(unit, hidden[0], grad=True)
+        elif frozen or not self.grad:
+            # Frozen (truncated gradient): the head still learns from the rows, nothing flows further.
+            self.head.unit(unit, hidden[0], grad=frozen)
+        if direct or frozen:
+            frame.kv = kv
+        return kv
+
+    def _forward(self, unit: Unit) -> tuple[torch.Tensor, NodeKV]:
+        if self.past_len != unit.start:
+            raise RuntimeError(
+                f"internal: cache holds {self.past_len} positions but the unit starts at {unit.start}"
+            )
+        ids = unit.tokens.to(self.device).unsqueeze(0)
+        pos = torch.arange(unit.start, unit.start + len(unit.tokens), device=self.device).unsqueeze(0)
+        cache = self.adapter.make_cache(self.past, self.past_len, pieces=self.pieces)
+        hidden = self.adapter.hidden(ids, pos, cache=cache)
+        return hidden, recorded(cache)
+
+    def _backpropagate(self, frame: _Frame) -> None:
+        outputs: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        if frame.hidden_rows is not None and frame.hidden_rows.requires_grad:
+            outputs.append(frame.hidden_rows)
+            grads.append(frame.hidden_grad)
+        if frame.leaves is not None:
+            for out, leaf in zip(frame.kv.tensors(), frame.leaves.tensors(), strict=True):
+                # Frozen projections (e.g. LoRA on q/v only) give keys without a graph.
+                if leaf.grad is not None and out.requires_grad:
+                    outputs.append(out)
+                    grads.append(leaf.grad)
+        if outputs:
+            torch.autograd.backward(outputs, grads)
+
+    def _cache_leaves(self, unit: Unit, kv: NodeKV, requires_grad: bool) -> NodeKV:
+        """Detached keys/values (leaf tensors) that the unit hands to its descendants.
+
+        Blocks of one long node (replay) write theirs into one buffer per layer, and their
+        gradients accumulate into one zeroed buffer: a long prompt's cache and its gradient are
+        then two allocations per layer rather than two per block and layer (each allocation of a
+        block's keys costs a page more than its bytes: 1.6% of the cache at 2048-token blocks).
+        """
+        if not unit.is_block:
+            return kv.detached(requires_grad)
+        if unit.offset == 0:
+            self.arenas[unit.node] = [None] * len(kv.layers)
+        buffers = self.arenas[unit.node]
+        out: list[tuple[torch.Tensor, ...]] = []
+        for i, layer in enumerate(kv.layers):
+            if self.adapter.layer_kinds[i] == "state":  # conv/recurrent state: small, the last block's
+                out.append(NodeKV([layer]).detached(requires_grad).layers[0])
+                continue
+            if buffers[i] is None:
+                buffers[i] = _arena(layer, unit.node_len, requires_grad)
+            out.append(_arena_leaves(buffers[i], layer, unit.offset, requires_grad))
+        return NodeKV(out)
+
+    def _leaf_batches(self, leaf_ids: list[int]) -> list[list[int]]:
+        """Group sibling leaves (by length) so that batch x (context + longest) <= score_batch_tokens."""
+        leaf_ids = sorted(leaf_ids, key=lambda i: len(self.units[i].tokens))
+        batches: list[list[int]] = []
+        cur: list[int] = []
+        for i in leaf_ids:
+            width = self.past_len + len(self.units[i].tokens)
+            if cur and (len(cur) + 1) * width > self.ex.score_batch_tokens:
+                batches.append(cur)
+                cur = []
+            cur.append(i)
+        if cur:
+            batches.append(cur)
+        return batches[::-1]  # popped from a stack: keep length order
+
+
+def _arena(layer: tuple[torch.Tensor, ...], node_len: int, requires_grad: bool):
+    # [node_len, kv_heads, head_dim]: a block is a contiguous slice, seen as [1, kv, n, d] (the layout
+    # the projections produce), and its gradient slice has the same strides.
+    shape = [(node_len, t.shape[1], t.shape[3]) for t in layer]
+    data = tuple(t.new_empty(s) for t, s in zip(layer, shape, strict=True))
+    grads = tuple(t.new_zeros(s) for t, s in zip(layer, shape, strict=True)) if requires_grad else None
+    return data, grads
+
+
+def _arena_leaves(buffer, layer: tuple[torch.Tensor, ...], offset: int, requires_grad: bool) -> tuple:
+    data, grads = buffer
+    a = offset
+    leaves = []
+    for j, t in enumerate(layer):
+        b = a + t.shape[2]
+        view = data[j][a:b].permute(1, 0, 2).unsqueeze(0)
+        view.copy_(t.detach())
+        leaf = view.detach().requires_grad_(requires_grad)
+        if requires_grad:
+            leaf.grad = grads[j][a:b].permute(1, 0, 2).unsqueeze(0)
+        leaves.append(leaf)
+    return tuple(leaves)
+
+
+def _get_rng(device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    cpu = torch.get_rng_state()
+    acc = [torch.cuda.get_rng_state(device)] if device.type == "cuda" else []
+    return cpu, acc
+
+
+@contextlib.contextmanager
+def _restore_rng(state, device: torch.device):
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(state[0])
+        if state[1]:
+            torch.cuda.set_rng_state(state[1][0], device)
+        yield

@@ -1,0 +1,187 @@
+"""What the executor needs from a transformers causal LM: decoder, LM head, cache kinds, switches."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from .. import compat
+from ..errors import UnsupportedModelError
+from .cache import LayerPast, build_cache, check_pieces_used
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ModelAdapter", "UnsupportedModelError"]
+
+_KINDS = {
+    compat.DynamicLayer: "full",
+    compat.DynamicSlidingWindowLayer: "sliding",
+    compat.LinearAttentionLayer: "state",
+}
+
+
+def _split(model: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """(base model, decoder, LM head) of a causal LM, PEFT-wrapped or not."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    get_decoder = getattr(base, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if decoder is None or decoder is base or head is None:
+        raise UnsupportedModelError(
+            f"{type(base).__name__} has no separate decoder and LM head (get_decoder()/get_output_embeddings()): "
+            "forkrl's tree executor needs a transformers *ForCausalLM model; train this model without tree_packing"
+        )
+    return base, decoder, head
+
+
+def _cache_kwarg(decoder: nn.Module) -> str:
+    params = inspect.signature(decoder.forward).parameters
+    if "position_ids" not in params:
+        raise UnsupportedModelError(
+            f"{type(decoder).__name__}.forward takes no position_ids; tree nodes need explicit positions: "
+            "train this model without tree_packing"
+        )
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise UnsupportedModelError(
+        f"{type(decoder).__name__}.forward takes no cache argument, so ancestors' keys/values cannot be "
+        "passed in: use TreeExecutor(mode='packed') if the model is attention-only, or train without tree_packing"
+    )
+
+
+def _layer_kinds(base: nn.Module) -> list[str]:
+    kinds = [
+        _KINDS.get(type(layer), type(layer).__name__)
+        for layer in compat.DynamicCache(config=base.config).layers
+    ]
+    unsupported = sorted({k for k in kinds if k not in ("full", "sliding", "state")})
+    if unsupported:
+        raise UnsupportedModelError(
+            f"{type(base).__name__} has cache layers of kind {unsupported} (e.g. indexed attention or layers mixing "
+            "attention and recurrent state), which forkrl cannot rebuild per tree node: train this model without "
+            "tree_packing"
+        )
+    return kinds
+
+
+class ModelAdapter:
+    """Splits a causal LM into decoder and LM head and builds tree caches for it.
+
+    Args:
+        model: a transformers causal LM (``*ForCausalLM``), optionally wrapped by PEFT.
+
+    Raises:
+        UnsupportedModelError: when the model has no decoder/LM-head split, its forward takes no
+            external cache or position ids, or a layer's cache kind is not supported.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.base, self.decoder, self.head = _split(model)
+        self.config = self.base.config.get_text_config(decoder=True)
+        self.cache_kwarg = _cache_kwarg(self.decoder)
+        self.softcap = getattr(self.config, "final_logit_softcapping", None)
+        self.logit_scale = getattr(self.config, "logit_scale", None)
+        self.layer_kinds = _layer_kinds(self.base)
+        self.has_state = "state" in self.layer_kinds
+        self.attn_implementation = compat.attention_implementation(self.base.config)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_kinds)
+
+    @property
+    def name(self) -> str:
+        return type(self.base).__name__
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids must be below this: the rows of the input embedding and of the LM head."""
+        rows = [self.head.weight.shape[0]]
+        emb = self.base.get_input_embeddings() if hasattr(self.base, "get_input_embeddings") else None
+        if emb is not None and getattr(emb, "weight", None) is not None:
+            rows.append(emb.weight.shape[0])
+        return min(rows)
+
+    def make_cache(self, past: list[LayerPast], past_len: int, batch: int = 1, pieces: bool = False):
+        """A fresh cache holding the ancestors' tensors (:func:`forkrl.core.executor.cache.build_cache`)."""
+        return build_cache(self.base.config, self.layer_kinds, past, past_len, batch=batch, pieces=pieces)
+
+    # ------------------------------------------------------------------ forward pieces
+    def hidden(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache=None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states (after the last norm).
+
+        Args:
+            input_ids: ``[B, n]``.
+            position_ids: ``[B, n]``.
+            cache: ancestors' keys/values, or None.
+            attention_mask: optional 4D mask ``[1, 1, n, ctx + n]`` (packed mode).
+
+        Returns:
+            ``[B, n, hidden]``.
+        """
+        kwargs = {self.cache_kwarg: cache, "use_cache": cache is not None}
+        out = self.decoder(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, **kwargs
+        )
+        if cache is not None:
+            check_pieces_used(cache, self.name)
+        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+    def logits(self, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
+        """LM head on ``[rows, hidden]`` -> float ``[rows, vocab]`` logits, scaled like the model and host."""
+        logits = self.head(hidden)
+        if self.logit_scale is not None:
+            logits = logits * self.logit_scale
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        return logits
+
+    # ------------------------------------------------------------------ model state
+    def checkpointing_off(self) -> contextlib.AbstractContextManager[bool]:
+        """Turn transformers' gradient checkpointing off for the duration (it drops the cache).
+
+        Yields whether it was on. Replay mode is itself a checkpointing scheme.
+        """
+        return compat.checkpointing_off(self.model)
+
+    @contextlib.contextmanager
+    def attention_implementation(self, name: str | None) -> Iterator[None]:
+        """Use attention implementation ``name`` for the duration (None: leave the model's)."""
+        if name is None:
+            yield
+            return
+        configs = list({id(c): c for c in (self.base.config, self.config)}.values())
+        old = [compat.attention_implementation(c) for c in configs]
+        for c in configs:
+            compat.set_attention_implementation(c, name)
+        try:
+            yield
+        finally:
+            for c, o in zip(configs, old, strict=True):
+                compat.set_attention_implementation(c, o)
+
+    def has_dropout(self) -> bool:
+        """Whether a forward in the current mode draws random numbers (training with dropout > 0)."""
+        if not self.model.training:
+            return False
+        if any(isinstance(m, nn.Dropout) and m.p > 0 for m in self.model.modules()):
+            return True
+        names = ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "attn_pdrop")
+        return any(float(getattr(self.config, n, 0.0) or 0.0) > 0 for n in names)

@@ -1,0 +1,290 @@
+"""Depth-first training and scoring of a causal LM over a prefix forest.
+
+Each node is forwarded once with the keys/values of its ancestors as leaf tensors that require
+grad. Its descendants run next and add their gradients into those leaves. Then the node is
+backpropagated once with its own loss plus the accumulated key/value gradients, which pass on to
+its ancestors. Only one root-to-leaf path is alive at a time, and every shared token is computed
+once; the parameter gradient equals plain per-sequence autograd (AReaL-DTA, arXiv 2602.00482,
+adds the same K/V-gradient accumulation to a DFS over a prefix tree).
+
+Modes:
+    keep: a node's graph stays alive while its subtree runs (one forward per token).
+    replay: nodes run without grad on the way down and are re-forwarded with grad on the way up;
+        long nodes are cut into ``block_size`` blocks, so activation memory is one block's.
+    packed: the whole forest as one sequence with a tree attention mask; attention-only models.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+from torch import nn
+
+from .. import attention
+from ..errors import UnsupportedModelError
+from ..tree import PrefixForest
+from .dfs import DepthFirstPass
+from .head import CoefficientFn, ScoredHead, StaticCoefficients
+from .model import ModelAdapter
+from .packed import check_packed, run_packed
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "MODES",
+    "PROMPT_GRADS",
+    "ExecMode",
+    "PromptGrad",
+    "ScoreResult",
+    "TreeExecutor",
+    "UnsupportedModelError",
+]
+
+ExecMode = Literal["keep", "replay", "packed"]
+PromptGrad = Literal["exact", "none"]
+MODES: tuple[str, ...] = get_args(ExecMode)
+PROMPT_GRADS: tuple[str, ...] = get_args(PromptGrad)
+
+
+@dataclass
+class ScoreResult:
+    """Per-sequence results of a pass over a forest.
+
+    Attributes:
+        logprobs: one ``[len_i - score_from_i]`` tensor per sequence.
+        entropies: same shapes, or None when not asked for.
+        entry_logprobs: ``[num_entries]`` the same values per distinct scored token.
+        entry_entropies: ``[num_entries]`` or None.
+    """
+
+    logprobs: list[torch.Tensor]
+    entropies: list[torch.Tensor] | None
+    entry_logprobs: torch.Tensor
+    entry_entropies: torch.Tensor | None
+
+
+def _positive_int(value, name: str, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer" + (" or None" if allow_none else ""))
+
+
+class TreeExecutor:
+    """Runs a causal LM over a :class:`PrefixForest`, scoring and backpropagating each token once.
+
+    Args:
+        model: a transformers ``*ForCausalLM`` (optionally PEFT-wrapped) whose decoder accepts a
+            cache built from tensors (Llama, Qwen2/3, Mistral, Gemma families; MHA, GQA, MQA).
+        mode: ``"keep"``, ``"replay"`` or ``"packed"`` (module docstring).
+        block_size: replay mode: the longest span forwarded at once (None: whole nodes). Also
+            bounds the no-grad forward of ``score`` in every non-packed mode.
+        temperature: logits are divided by it before the softmax, as the host samples.
+        head_chunk_elems: at most this many logits (rows x vocab) exist at once.
+        score_batch_tokens: ``score`` runs sibling leaves as one batch while batch x (context +
+            longest leaf) stays under this.
+        prompt_grad: ``"exact"`` (default): gradients pass through every token. ``"none"``: the
+            truncated gradient of LongStraw (arXiv 2607.14952): context that no sequence scores
+            (prompts) runs without autograd and its hidden states and keys/values are constants;
+            only the LM head still gets the gradient of the first scored token it predicts.
+        split_attention: on the CPU with sdpa, run each node's attention as an unmasked part over
+            the ancestors' cache and a causal part over itself (:mod:`forkrl.core.attention`), so no
+            ``[node, context]`` mask is built or kept for backward. False: the model's own attention.
+
+    Raises:
+        UnsupportedModelError: for models it cannot run in this mode, naming the alternative.
+        ValueError: on a bad mode, block size or temperature.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mode: ExecMode = "keep",
+        block_size: int | None = None,
+        temperature: float = 1.0,
+        head_chunk_elems: int = 1 << 25,
+        score_batch_tokens: int = 1 << 15,
+        prompt_grad: PromptGrad = "exact",
+        split_attention: bool = True,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is not one of {MODES}")
+        _positive_int(block_size, "block_size", allow_none=True)
+        _positive_int(head_chunk_elems, "head_chunk_elems")
+        _positive_int(score_batch_tokens, "score_batch_tokens")
+        if prompt_grad not in PROMPT_GRADS:
+            raise ValueError(f"prompt_grad={prompt_grad!r} must be one of {PROMPT_GRADS}")
+        if prompt_grad == "none" and mode == "packed":
+            raise ValueError(
+                "prompt_grad='none' needs the prompt to run separately from the responses: use mode='keep' or "
+                "mode='replay'"
+            )
+        if (
+            isinstance(temperature, bool)
+            or not isinstance(temperature, (int, float))
+            or not (math.isfinite(temperature) and temperature > 0)
+        ):
+            raise ValueError(f"temperature={temperature!r} must be a positive finite number")
+        self.adapter = ModelAdapter(model)
+        self.model = model
+        self.mode = mode
+        self.block_size = block_size
+        self.temperature = float(temperature)
+        self.head_chunk_elems = head_chunk_elems
+        self.score_batch_tokens = score_batch_tokens
+        self.prompt_grad = prompt_grad
+        self.split_attention = split_attention
+        if mode == "packed":
+            check_packed(self.adapter)
+        self._warned_checkpointing = False
+
+    # ------------------------------------------------------------------ public API
+    @torch.no_grad()
+    def score(self, forest: PrefixForest, entropy: bool = False) -> ScoreResult:
+        """Log-probs (and entropies) of every scored token, without grad.
+
+        Args:
+            forest: the batch.
+            entropy: also return the entropy of each predicting distribution.
+
+        Returns:
+            :class:`ScoreResult`, one ``[len_i - score_from_i]`` tensor per sequence.
+        """
+        self._check_forest(forest)
+        lp, ent = self._run(forest, grad=False, entropy=entropy, coef=None)
+        return self._result(forest, lp, ent)
+
+    def backward(
+        self,
+        forest: PrefixForest,
+        grad_logprobs: Sequence[torch.Tensor] | None = None,
+        grad_entropies: Sequence[torch.Tensor] | None = None,
+        coefficient_fn: CoefficientFn | None = None,
+        entropy: bool = False,
+    ) -> ScoreResult:
+        """Accumulate into ``param.grad`` the gradient of a linear functional of the log-probs.
+
+        The functional is ``sum_i sum_t grad_logprobs[i][t] * logprob_i[t]`` (plus the same with
+        entropies), computed exactly as plain per-sequence autograd would; coefficients of a token
+        owned by several sequences are summed on its entry. Alternatively ``coefficient_fn``
+        forms each entry's coefficients from its own log-prob during the pass (token-local
+        objectives, see :mod:`forkrl.core.objective`), so no separate scoring pass is needed.
+        Coefficients are constants (detached), as ``grad_tensors`` of ``torch.autograd.backward``.
+
+        Args:
+            forest: the batch.
+            grad_logprobs: one ``[len_i - score_from_i]`` floating tensor per sequence.
+            grad_entropies: same shapes, or None.
+            coefficient_fn: instead of the two above, ``(entry_ids, logprobs, entropies) ->
+                (coef_logprobs, coef_entropies)``, evaluated per chunk of entries.
+            entropy: pass entropies to ``coefficient_fn`` (implied by ``grad_entropies``).
+
+        Returns:
+            The detached log-probs (and entropies) the pass computed.
+
+        Raises:
+            RuntimeError: when grad mode is off (``torch.no_grad()``, inference mode).
+            ValueError: on coefficients of the wrong count, shape or dtype, NaN/inf coefficients,
+                or token ids outside the model's vocabulary; nothing is accumulated then.
+        """
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            raise RuntimeError(
+                "TreeExecutor.backward was called with grad mode off (inside torch.no_grad() or "
+                "torch.inference_mode()), where no gradient can be accumulated: call it outside that context "
+                "(use TreeExecutor.score for no-grad log-probs); nothing was accumulated"
+            )
+        if (grad_logprobs is None) == (coefficient_fn is None):
+            raise ValueError("give exactly one of grad_logprobs or coefficient_fn")
+        self._check_forest(forest)
+        if coefficient_fn is None:
+            coef, entropy = self._static(forest, grad_logprobs, grad_entropies)
+        else:
+            coef = coefficient_fn
+        lp, ent = self._run(forest, grad=True, entropy=entropy, coef=coef)
+        return self._result(forest, lp, ent)
+
+    @property
+    def device(self) -> torch.device:
+        """The device the model's LM head lives on (where results are returned)."""
+        return self.adapter.head.weight.device
+
+    # ------------------------------------------------------------------ internals
+    @property
+    def _dtype(self) -> torch.dtype:
+        dt = self.adapter.head.weight.dtype
+        return dt if dt in (torch.float32, torch.float64) else torch.float32
+
+    def _static(self, forest, grad_logprobs, grad_entropies) -> tuple[StaticCoefficients, bool]:
+        coefs = []
+        for name, values in (("grad_logprobs", grad_logprobs), ("grad_entropies", grad_entropies)):
+            if values is None:
+                coefs.append(None)
+                continue
+            try:
+                c = forest.scatter_add(list(values))
+            except ValueError as err:
+                raise ValueError(f"{name}: {err}; nothing was accumulated") from None
+            if not torch.isfinite(c).all():
+                raise ValueError(
+                    f"{name} contains NaN or inf (e.g. a NaN advantage): fix the rewards/advantages before the "
+                    "backward pass; nothing was accumulated"
+                )
+            coefs.append(c.to(self._dtype))
+        return StaticCoefficients(coefs[0], coefs[1]), coefs[1] is not None
+
+    def _check_forest(self, forest: PrefixForest) -> None:
+        if not isinstance(forest, PrefixForest):
+            raise TypeError(f"expected a PrefixForest, got {type(forest).__name__}")
+        limit = getattr(self.adapter.config, "max_position_embeddings", None)
+        longest = max(forest.lengths)
+        if limit is not None and longest > limit:
+            s = forest.lengths.index(longest)
+            raise ValueError(
+                f"sequence {s} has {longest} tokens but {self.adapter.name} supports max_position_embeddings="
+                f"{limit}: truncate the rollouts or raise the model's context length"
+            )
+        vocab = self.adapter.vocab_size
+        top = max(int(n.tokens.max()) for n in forest.nodes)
+        if top >= vocab:
+            s = next(i for i in range(forest.num_sequences) if int(forest.sequence_tokens(i).max()) >= vocab)
+            raise ValueError(
+                f"sequence {s} holds token id {top} but {self.adapter.name} has a vocabulary of {vocab}: check the "
+                "tokenizer matches the model; nothing was computed"
+            )
+
+    def _result(self, forest: PrefixForest, lp: torch.Tensor, ent: torch.Tensor | None) -> ScoreResult:
+        return ScoreResult(
+            logprobs=forest.gather(lp),
+            entropies=forest.gather(ent) if ent is not None else None,
+            entry_logprobs=lp,
+            entry_entropies=ent,
+        )
+
+    def _run(
+        self, forest: PrefixForest, grad: bool, entropy: bool, coef: CoefficientFn | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        lp = torch.zeros(forest.num_entries, dtype=self._dtype, device=self.device)
+        ent = torch.zeros_like(lp) if entropy else None
+        head = ScoredHead(self.adapter, self.temperature, self.head_chunk_elems, lp, ent, coef)
+        with self.adapter.checkpointing_off() as was_on:
+            if was_on and not self._warned_checkpointing:
+                logger.info(
+                    "gradient checkpointing is on in the model; forkrl turns it off inside tree passes "
+                    "(it would drop the ancestors' cache) -- use mode='replay' for the same memory saving"
+                )
+                self._warned_checkpointing = True
+            if self.mode == "packed":
+                run_packed(self.adapter, forest, grad, head)
+                return lp, ent
+            ad = self.adapter
+            name = attention.select(
+                ad.attn_implementation, ad.layer_kinds, ad.config, self.device, self.split_attention
+            )
+            with ad.attention_implementation(name):
+                DepthFirstPass(self, forest, grad, head, pieces=name is not None).run()
+        return lp, ent

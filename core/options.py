@@ -1,0 +1,142 @@
+"""Option dataclasses: one per component, typed fields with help text, validated from their types.
+
+A component's options (:class:`forkrl.core.train.TreeOptions`,
+:class:`forkrl.core.speculative.SpeculativeOptions`) are a dataclass whose fields carry
+``metadata={"help": ...}`` and a type that says what is valid: ``bool``, ``int``, ``float``, a
+``Literal`` of the allowed values, or any of these ``| None``; a class may add lower bounds in
+``_minimums``. The metadata holds argparse keywords only, so transformers' ``HfArgumentParser``
+(and TRL's ``TrlParser``) parse a host config that inherits these fields unchanged.
+
+Hosts derive their flags from these classes: TRL's configs inherit them, and :func:`add_arguments`
+builds argparse flags (OpenRLHF's dotted ``--forkrl.tree_packing`` style) from the same fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import numbers
+import types
+import typing
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+__all__ = ["add_arguments", "changed_fields", "check_fields", "field_defaults", "from_namespace", "option"]
+
+
+def option(default: Any, help: str) -> Any:
+    """A dataclass field with its help text (the only metadata: argparse parses it as given)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def field_defaults(cls: type) -> dict[str, Any]:
+    """``{name: default}`` of the fields ``cls`` itself declares (not those it inherits)."""
+    own = cls.__dict__.get("__annotations__", {})
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.name in own}
+
+
+def changed_fields(obj: Any, cls: type) -> list[str]:
+    """Names of ``cls``'s own fields whose value on ``obj`` differs from the default."""
+    return [name for name, default in field_defaults(cls).items() if getattr(obj, name) != default]
+
+
+def _split_optional(tp: Any) -> tuple[Any, bool]:
+    """``(X, True)`` for ``X | None``, ``(tp, False)`` otherwise (only single-type optionals are used)."""
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if len(args) != 1:
+            raise TypeError(f"option type {tp} is not supported: use one type, optionally | None")
+        return args[0], len(args) < len(get_args(tp))
+    return tp, False
+
+
+def _check_value(name: str, value: Any, tp: Any, minimum: float | None) -> None:
+    base, optional = _split_optional(tp)
+    if value is None:
+        if optional:
+            return
+        raise ValueError(
+            f"{name}=None is not allowed: give a value of type {getattr(base, '__name__', base)}"
+        )
+    if get_origin(base) is Literal:
+        allowed = get_args(base)
+        # `True == 1` in Python: a bool passes only where a bool is listed.
+        if (
+            isinstance(value, bool) and not any(isinstance(a, bool) for a in allowed)
+        ) or value not in allowed:
+            raise ValueError(f"{name}={value!r} is not one of {allowed}")
+        return
+    if base is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+        return
+    if base is int:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"{name}={value!r} must be an integer (got {type(value).__name__})")
+    elif base is float:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise ValueError(f"{name}={value!r} must be a finite number")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}={value!r} must be >= {minimum}")
+
+
+def check_fields(obj: Any, cls: type) -> None:
+    """Validate every field ``cls`` declares, on ``obj``, against its type and ``cls._minimums``.
+
+    Raises:
+        ValueError: naming the field, the value and the rule.
+    """
+    hints = get_type_hints(cls)
+    minimums = cls.__dict__.get("_minimums", {})
+    for name in field_defaults(cls):
+        _check_value(name, getattr(obj, name), hints[name], minimums.get(name))
+
+
+def _parser_type(tp: Any):
+    base, _ = _split_optional(tp)
+    if get_origin(base) is Literal:
+        allowed = get_args(base)
+        return type(allowed[0]), list(allowed)
+    return base, None
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("true", "1", "yes"):
+        return True
+    if low in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type, prefix: str = "--") -> list[str]:
+    """Add one flag per field of ``cls`` to ``parser`` (``prefix + name``); returns the destinations.
+
+    Booleans take an optional value (``--x``, ``--x true``, ``--x false``). Values are validated
+    by :func:`check_fields` after parsing (:func:`from_namespace`), with the same messages as the
+    dataclass itself.
+    """
+    hints = get_type_hints(cls)
+    group = parser.add_argument_group(f"{cls.__name__} ({cls.__module__})")
+    dests = []
+    for f in dataclasses.fields(cls):
+        kind, choices = _parser_type(hints[f.name])
+        dest = (prefix.lstrip("-") + f.name).replace("-", "_")
+        kwargs: dict[str, Any] = {"dest": dest, "default": f.default, "help": f.metadata.get("help", "")}
+        if kind is bool:
+            kwargs.update(nargs="?", const=True, type=_parse_bool)
+        else:
+            kwargs.update(type=kind, choices=choices)
+        group.add_argument(prefix + f.name, **kwargs)
+        dests.append(dest)
+    return dests
+
+
+def from_namespace(cls: type, namespace: Any, prefix: str = "") -> Any:
+    """An instance of ``cls`` from attributes ``prefix + name`` of ``namespace`` (validated)."""
+    values = {
+        f.name: getattr(namespace, prefix + f.name)
+        for f in dataclasses.fields(cls)
+        if hasattr(namespace, prefix + f.name)
+    }
+    return cls(**values)

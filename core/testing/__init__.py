@@ -1,0 +1,11 @@
+"""What exactness tests, benchmarks and examples share.
+
+- :mod:`.precision`: :class:`Float64Mode` (true float64 despite transformers' float32 casts).
+- :mod:`.memory`: :class:`SavedBytes` (autograd's saved-tensor peak), :func:`peak_rss_bytes`.
+- :mod:`.models`: tiny model and tokenizer builders, and the plain computation to compare with.
+"""
+
+from .memory import SavedBytes, peak_rss_bytes
+from .precision import Float64Mode
+
+__all__ = ["Float64Mode", "SavedBytes", "peak_rss_bytes"]

@@ -1,0 +1,272 @@
+"""Tiny models and tokenizers built from configs (no downloads), shared by tests, benchmarks, examples.
+
+- :func:`tiny_causal_lm`: the test zoo, one tiny model per architecture forkrl supports
+  (:data:`ZOO`): MHA/GQA/MQA Llama, Qwen2, Qwen3 (q/k norms), Mistral with a sliding window,
+  Gemma 2 (logit softcapping, eager), LFM2 (conv + attention), Qwen3-Next (linear attention + MoE).
+- :func:`llama`: the benchmark sizes (:data:`SIZES`, "tiny" and "small").
+- :func:`byte_tokenizer`, :func:`word_tokenizer`, :func:`byte_llama`, :func:`save_pretrained`:
+  what a host trainer needs to load a model by path (TRL's ``GRPOTrainer(model=path)``).
+- :func:`dense_logprobs`, :func:`grads`, :func:`max_rel_err`: the plain computation exactness
+  tests compare against.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "BYTE_EOS",
+    "BYTE_PAD",
+    "BYTE_VOCAB",
+    "SIZES",
+    "TEST_VOCAB",
+    "ZOO",
+    "byte_llama",
+    "byte_tokenizer",
+    "dense_logprobs",
+    "flops_per_token",
+    "grads",
+    "llama",
+    "max_rel_err",
+    "save_pretrained",
+    "tiny_causal_lm",
+    "word_tokenizer",
+]
+
+TEST_VOCAB = 61
+_ATTN = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+# name -> (transformers config and model class names, config fields beyond the common tiny ones)
+ZOO: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama-mha": ("LlamaConfig", "LlamaForCausalLM", {**_ATTN, "num_key_value_heads": 4}),
+    "llama-gqa": ("LlamaConfig", "LlamaForCausalLM", _ATTN),
+    "llama-mqa": ("LlamaConfig", "LlamaForCausalLM", {**_ATTN, "num_key_value_heads": 1}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _ATTN),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {**_ATTN, "head_dim": 8}),
+    "mistral-swa": ("MistralConfig", "MistralForCausalLM", {**_ATTN, "sliding_window": 6}),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {
+            **_ATTN,
+            "head_dim": 8,
+            "sliding_window": 5,
+            "final_logit_softcapping": 3.0,
+            "attn_logit_softcapping": None,
+        },
+    ),
+    "lfm2": (
+        "Lfm2Config",
+        "Lfm2ForCausalLM",
+        {
+            **_ATTN,
+            "num_hidden_layers": 4,
+            "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+        },
+    ),
+    "qwen3next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        {
+            **_ATTN,
+            "head_dim": 8,
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 16,
+            "layer_types": ["linear_attention", "full_attention"],
+        },
+    ),
+}
+
+
+def tiny_causal_lm(
+    name: str = "llama-gqa",
+    dtype: torch.dtype = torch.float64,
+    attn: str = "sdpa",
+    seed: int = 0,
+    **config: Any,
+) -> nn.Module:
+    """A tiny causal LM of architecture ``name`` (a key of :data:`ZOO`), in eval mode.
+
+    Hidden size 32, vocabulary :data:`TEST_VOCAB`; ``config`` overrides any config field. Gemma 2
+    always uses eager attention (it has no sdpa path); Qwen3-Next's experts run eagerly (grouped_mm
+    has no float64 kernel).
+    """
+    import transformers
+
+    if name not in ZOO:
+        raise KeyError(f"unknown tiny model {name!r}: choose one of {sorted(ZOO)}")
+    config_cls, model_cls, fields = ZOO[name]
+    common = dict(vocab_size=TEST_VOCAB, hidden_size=32, intermediate_size=48, max_position_embeddings=512)
+    cfg = getattr(transformers, config_cls)(**{**common, **fields, **config})
+    if name == "gemma2":
+        attn = "eager"
+    if name == "qwen3next":
+        cfg._experts_implementation = "eager"
+    cfg._attn_implementation = attn
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(cfg).to(dtype)
+    model.eval()
+    return model
+
+
+# name: (hidden, layers, heads, kv_heads, intermediate, vocab)
+SIZES = {
+    "tiny": (128, 4, 4, 4, 344, 32000),
+    "small": (512, 8, 8, 8, 1376, 32000),
+}
+
+
+def llama(
+    size: str,
+    dtype: torch.dtype = torch.float32,
+    attn: str = "sdpa",
+    max_pos: int = 1 << 18,
+    **overrides: Any,
+) -> nn.Module:
+    """A randomly initialised Llama of one of the :data:`SIZES` (seed 0); ``overrides`` are config fields."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, layers, heads, kv, inter, vocab = SIZES[size]
+    fields = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=max_pos,
+    )
+    cfg = LlamaConfig(**{**fields, **overrides})
+    cfg._attn_implementation = attn
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to(dtype)
+
+
+def flops_per_token(size: str) -> tuple[float, float, float]:
+    """Forward FLOPs of a :data:`SIZES` Llama: (per token in linear layers, per token per context
+    position in attention, LM head per row)."""
+    hidden, layers, heads, kv, inter, vocab = SIZES[size]
+    head_dim = hidden // heads
+    linear = 2 * layers * (hidden * hidden * 2 + 2 * hidden * kv * head_dim + 3 * hidden * inter)
+    attn = layers * 4 * heads * head_dim  # QK^T and AV, per query per key
+    return float(linear), float(attn), float(2 * hidden * vocab)
+
+
+# ---------------------------------------------------------------------------- tokenizers and saved models
+
+BYTE_PAD, BYTE_EOS, BYTE_VOCAB = 256, 257, 260
+
+
+def byte_tokenizer():
+    """Byte-level tokenizer (no merges) with <pad> = 256 and <eos> = 257: nothing to download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    printable = {
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    }
+    alphabet, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            alphabet[chr(b)] = b
+        else:
+            alphabet[chr(256 + extra)] = b
+            extra += 1
+    vocab = {**alphabet, "<pad>": BYTE_PAD, "<eos>": BYTE_EOS}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+def word_tokenizer(vocab: int):
+    """A word-level tokenizer over ids ``t0..t{vocab-3}`` plus <pad> (``vocab - 2``) and <eos> (``vocab - 1``)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    table = {f"t{i}": i for i in range(vocab - 2)}
+    table["<pad>"], table["<eos>"] = vocab - 2, vocab - 1
+    tok = Tokenizer(models.WordLevel(vocab=table, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+def byte_llama(seed: int = 0, **config: Any) -> nn.Module:
+    """A tiny GQA Llama for :func:`byte_tokenizer` (vocab 260, <pad> 256, <eos> 257), float32.
+
+    Hidden 32, 2 layers unless ``config`` says otherwise; the generation config carries pad/eos.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields = dict(
+        vocab_size=BYTE_VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        pad_token_id=BYTE_PAD,
+        eos_token_id=BYTE_EOS,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**{**fields, **config})).float()
+    model.generation_config.pad_token_id = model.config.pad_token_id
+    model.generation_config.eos_token_id = model.config.eos_token_id
+    return model
+
+
+def save_pretrained(model: nn.Module, tokenizer, path: str | Path) -> str:
+    """Save a model and its tokenizer where a host can load them by path; returns the path."""
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+# ---------------------------------------------------------------------------- the plain computation
+
+
+def dense_logprobs(model, sequences, score_from, temperature: float = 1.0, entropy: bool = False):
+    """Plain per-sequence forward: log-probs (and entropies) of the scored tokens, in the graph.
+
+    Returns:
+        ``(logprobs, entropies or None)``: one ``[len_i - score_from_i]`` tensor per sequence.
+    """
+    lps, ents = [], []
+    for seq, sf in zip(sequences, score_from, strict=True):
+        ids = torch.as_tensor(seq).reshape(1, -1)
+        logits = model(input_ids=ids).logits[0] / temperature
+        logp = torch.log_softmax(
+            logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32), -1
+        )
+        lps.append(logp[sf - 1 : -1].gather(-1, ids[0, sf:, None])[:, 0])
+        if entropy:
+            ents.append(-(logp.exp() * logp).sum(-1)[sf - 1 : -1])
+    return lps, (ents if entropy else None)
+
+
+def grads(model: nn.Module) -> list[torch.Tensor]:
+    """A copy of every parameter's gradient (zeros where there is none)."""
+    return [
+        p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()
+    ]
+
+
+def max_rel_err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """Largest error over a list of tensors, relative to the largest reference norm."""
+    scale = max(float(w.norm()) for w in want) or 1.0
+    return max(float((g - w).norm()) for g, w in zip(got, want, strict=True)) / scale

@@ -1,0 +1,133 @@
+"""Tree-training options: the one definition every host's flags derive from.
+
+TRL's configs inherit these fields; OpenRLHF's launcher adds them as ``--forkrl.<name>`` flags and
+veRL's config subclass as a ``forkrl`` block (:func:`forkrl.core.options.add_arguments`). The names
+are the same in every host, so an error message names the flag the user wrote.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal, get_args
+
+from ..executor import ExecMode, PromptGrad
+from ..options import changed_fields, check_fields, option
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "TREE_MODES", "TreeMode", "TreeOptions"]
+
+TreeMode = Literal["auto", ExecMode]
+TREE_MODES: tuple[str, ...] = get_args(TreeMode)
+#: Replay block size in tokens when ``tree_block_size`` is not set.
+DEFAULT_BLOCK_SIZE = 2048
+
+
+@dataclass
+class TreeOptions:
+    """How a host's optimizer steps are trained as prefix forests.
+
+    Use directly (``TreeOptions(tree_packing=True)``, validated on construction) or as a mixin of a
+    host config that calls :meth:`validate_tree_options` from its own ``__post_init__``.
+    """
+
+    tree_packing: bool = option(
+        False,
+        "Train the sequences of each optimizer step (the union of its gradient-accumulation micro-batches) as one "
+        "prefix tree: GRPO groups, repeated completions and shared system prompts compute their shared tokens once. "
+        "The update equals the host's own.",
+    )
+    tree_mode: TreeMode = option(
+        "auto",
+        "How the tree is run. 'keep': each shared prefix is forwarded once and its activations kept while its "
+        "branches train (fastest). 'replay': prefixes run without grad and are re-forwarded in blocks of "
+        "tree_block_size tokens on the way back (memory of one block, like gradient checkpointing). 'packed': one "
+        "sequence with a tree attention mask (attention-only models). 'auto': replay when gradient checkpointing "
+        "is on, long_context_replay is set or a root-to-leaf path is longer than tree_replay_threshold tokens; "
+        "keep otherwise.",
+    )
+    tree_block_size: int | None = option(
+        None,
+        f"Block size in tokens for replay mode (default {DEFAULT_BLOCK_SIZE}): activation memory is that of one "
+        "block, whatever the prompt length or group size.",
+    )
+    tree_replay_threshold: int = option(
+        16384, "tree_mode='auto' switches to replay when a root-to-leaf path has more tokens than this."
+    )
+    long_context_replay: bool = option(
+        False,
+        "Long-context replay: each prompt runs without autograd in tree_block_size blocks, only its key/value (or "
+        "recurrent) cache is kept, responses train one at a time adding gradient into that cache, then the prompt "
+        "is replayed with grad in reverse. Memory does not grow with the group size. Works with or without "
+        "tree_packing (the update is the host's own either way).",
+    )
+    long_context_prompt_grad: PromptGrad = option(
+        "exact",
+        "'exact': the prompt's parameters get their exact gradient (the host's own update). 'none': the prompt is a "
+        "constant (LongStraw's truncated gradient; faster, not the host's update).",
+    )
+
+    _minimums: ClassVar[dict[str, int]] = {"tree_block_size": 1, "tree_replay_threshold": 1}
+
+    def __post_init__(self) -> None:
+        self.validate_tree_options()
+
+    @property
+    def tree_enabled(self) -> bool:
+        """Whether training runs through forkrl's tree executor."""
+        return bool(self.tree_packing or self.long_context_replay)
+
+    @property
+    def replay_block_size(self) -> int:
+        return self.tree_block_size or DEFAULT_BLOCK_SIZE
+
+    def validate_tree_options(self) -> None:
+        """Check every field and the rules between them.
+
+        Raises:
+            ValueError: naming the option, the rule and the fix.
+        """
+        check_fields(self, TreeOptions)
+        if not self.tree_enabled:
+            changed = [
+                n
+                for n in changed_fields(self, TreeOptions)
+                if n not in ("tree_packing", "long_context_replay")
+            ]
+            if changed:
+                raise ValueError(
+                    f"{', '.join(changed)} set but tree_packing=False and long_context_replay=False, so it would have "
+                    "no effect: set tree_packing=True (or long_context_replay=True), or drop the setting"
+                )
+            return
+        if self.long_context_replay and self.tree_mode in ("keep", "packed"):
+            raise ValueError(
+                f"long_context_replay=True runs prompts in replay mode, which contradicts tree_mode={self.tree_mode!r}: "
+                "use tree_mode='auto' or 'replay', or set long_context_replay=False"
+            )
+        if self.long_context_prompt_grad == "none" and not self.long_context_replay:
+            raise ValueError(
+                "long_context_prompt_grad='none' only applies with long_context_replay=True: set it, or keep "
+                "long_context_prompt_grad='exact'"
+            )
+
+    def tree_options(self) -> TreeOptions:
+        """These options as a plain :class:`TreeOptions` (from a host config that inherits them)."""
+        return TreeOptions(**{name: getattr(self, name) for name in TreeOptions.__dataclass_fields__})
+
+    def mode_for(self, longest_path: int, gradient_checkpointing: bool = False) -> ExecMode:
+        """The executor mode for a forest whose longest root-to-leaf path has ``longest_path`` tokens."""
+        if self.long_context_replay:
+            return "replay"
+        if self.tree_mode != "auto":
+            return self.tree_mode
+        if gradient_checkpointing or longest_path > self.tree_replay_threshold:
+            return "replay"
+        return "keep"
+
+    def executor_kwargs(self, mode: ExecMode) -> dict:
+        """``TreeExecutor`` keyword arguments for ``mode``."""
+        replay = mode == "replay"
+        return {
+            "mode": mode,
+            "block_size": self.replay_block_size if replay else self.tree_block_size,
+            "prompt_grad": self.long_context_prompt_grad if replay else "exact",
+        }

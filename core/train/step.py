@@ -1,0 +1,214 @@
+"""The host-neutral training step: one optimizer step's micro-batches trained as one forest.
+
+A plugin keeps only what is its host's: where it collects a step's micro-batches, how the tree's
+leaves reach its loss, whether its loss gradient is value-independent, its refusals, its metric
+sink. Everything else is here, once:
+
+1. rows in the host's layout -> :class:`~forkrl.core.tree.RowLayout` (built by the plugin with
+   ``RowLayout.padded`` / ``packed``) -> one :class:`~forkrl.core.tree.Window` -> one forest;
+2. the executor mode for that forest (:meth:`TreeOptions.mode_for`) and the executor, cached per
+   model and mode;
+3. prefix-shared no-grad scoring returned in the host's layout (:meth:`TreeStep.score`: old and
+   reference log-probs);
+4. the backward through the host's own loss on leaves in the host's layout, per micro-batch
+   (:func:`~forkrl.core.objective.backward_window`: fused when the host says its gradient is
+   value-independent and the probe agrees, two passes otherwise);
+5. the data-parallel gradient average (:func:`all_reduce_gradients`);
+6. the NaN/inf check before anything is accumulated (in the bridge);
+7. the ``tree/*`` metrics the host forwards to its logger (:class:`StepMetrics`).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..executor import ExecMode, TreeExecutor
+from ..objective import LossGradient, Quiet, WindowLoss, WindowResult, backward_window
+from ..tree import PrefixForest, RowLayout, Window
+from .distributed import all_reduce_gradients, reduce_stats
+from .options import TreeOptions
+
+__all__ = ["MODE_CODES", "StepMetrics", "StepResult", "TreeStep"]
+
+#: ``tree/mode`` is logged as a number (hosts average metrics): keep 0, replay 1, packed 2.
+MODE_CODES = {"keep": 0, "replay": 1, "packed": 2}
+
+
+@dataclass
+class StepMetrics:
+    """Figures of one tree step (this rank's; :meth:`reduced` combines ranks).
+
+    Attributes:
+        unique_tokens: tokens the forest computes (each shared token once).
+        dense_tokens: tokens of the rows as independent sequences.
+        mode: the executor mode.
+        backward_time: seconds in the tree backward pass.
+        score_time: seconds in tree scoring since the previous step (old/reference log-probs and
+            the step's own scoring pass).
+    """
+
+    unique_tokens: float
+    dense_tokens: float
+    mode: str
+    backward_time: float
+    score_time: float
+
+    def reduced(self, device: torch.device | str = "cpu", group=None) -> StepMetrics:
+        """Token counts summed and times maxed over the ranks of ``group`` (the step's global figures)."""
+        (unique, dense), (bwd, score) = reduce_stats(
+            [self.unique_tokens, self.dense_tokens],
+            [self.backward_time, self.score_time],
+            torch.device(device),
+            group,
+        )
+        return StepMetrics(unique, dense, self.mode, bwd, score)
+
+    def as_dict(self, prefix: str = "tree/") -> dict[str, float]:
+        """Scalars for a host's metrics dict: compression, unique/dense tokens, mode code, times."""
+        return {
+            f"{prefix}compression": self.dense_tokens / max(self.unique_tokens, 1.0),
+            f"{prefix}unique_tokens": float(self.unique_tokens),
+            f"{prefix}dense_tokens": float(self.dense_tokens),
+            f"{prefix}mode": float(MODE_CODES[self.mode]),
+            f"{prefix}backward_time": float(self.backward_time),
+            f"{prefix}score_time": float(self.score_time),
+        }
+
+
+@dataclass
+class StepResult:
+    """Outcome of :meth:`TreeStep.train`.
+
+    Attributes:
+        losses: one detached scalar per micro-batch (the host's loss).
+        metrics: this rank's :class:`StepMetrics`.
+        forest: the step's forest.
+        objective: the bridge's result (values, path that ran).
+    """
+
+    losses: list[torch.Tensor]
+    metrics: StepMetrics
+    forest: PrefixForest
+    objective: WindowResult
+
+    @property
+    def loss(self) -> torch.Tensor:
+        return torch.stack(self.losses).sum()
+
+
+class TreeStep:
+    """Trains a host's optimizer steps as prefix forests and scores its log-prob requests.
+
+    One per trainer (it caches executors and remembers whether the fused path applies).
+
+    Args:
+        options: the tree options (a :class:`TreeOptions` or a host config inheriting them).
+        temperature: the host's sampling temperature (logits are divided by it).
+        **executor_kwargs: further :class:`TreeExecutor` arguments (``head_chunk_elems``, ...).
+    """
+
+    def __init__(self, options: TreeOptions, temperature: float = 1.0, **executor_kwargs) -> None:
+        self.options = options.tree_options()
+        self.temperature = temperature
+        self.executor_kwargs = executor_kwargs
+        self._executors: dict[tuple[int, str], tuple[weakref.ref, TreeExecutor]] = {}
+        self.fused_ok = True
+        self._score_time = 0.0
+
+    # ------------------------------------------------------------------ executors
+    def executor(self, model: nn.Module, mode: ExecMode) -> TreeExecutor:
+        """The executor for ``model`` (the unwrapped module) in ``mode``, built once."""
+        key = (id(model), mode)
+        entry = self._executors.get(key)
+        if entry is None or entry[0]() is not model:
+            kwargs = {**self.options.executor_kwargs(mode), **self.executor_kwargs}
+            entry = (weakref.ref(model), TreeExecutor(model, temperature=self.temperature, **kwargs))
+            self._executors[key] = entry
+        return entry[1]
+
+    def check_model(self, model: nn.Module) -> None:
+        """Raise :class:`~forkrl.core.UnsupportedModelError` now for a model no tree can run."""
+        self.executor(model, "replay" if self.options.long_context_replay else "keep")
+        if self.options.tree_mode == "packed":
+            self.executor(model, "packed")
+
+    @property
+    def score_mode(self) -> ExecMode:
+        return "replay" if self.options.long_context_replay else "keep"
+
+    # ------------------------------------------------------------------ the two entry points
+    def score(
+        self, model: nn.Module, layout: RowLayout, entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Prefix-shared no-grad log-probs (and entropies) of one micro-batch, in its host layout.
+
+        Returns:
+            Tensors of ``layout.shape`` on the model's device, zeros at unscored slots.
+        """
+        start = time.perf_counter()
+        executor = self.executor(model, self.score_mode)
+        res = executor.score(PrefixForest.build(layout.sequences, layout.score_from), entropy=entropy)
+        lp = layout.to_host(_flat(res.logprobs, executor))
+        ent = layout.to_host(_flat(res.entropies, executor)) if entropy else None
+        self._score_time += time.perf_counter() - start
+        return lp, ent
+
+    def train(
+        self,
+        model: nn.Module,
+        window: Window | Sequence[RowLayout],
+        loss_fn: WindowLoss,
+        loss_gradient: LossGradient = "general",
+        entropy: bool = True,
+        quiet: Quiet | None = None,
+        gradient_checkpointing: bool = False,
+        data_parallel: bool = False,
+        process_group=None,
+        device: torch.device | str | None = None,
+    ) -> StepResult:
+        """Accumulate the exact gradient of one optimizer step's host loss into ``param.grad``.
+
+        Args:
+            model: the unwrapped module the host trains (a DDP wrapper's hooks would not fire).
+            window: the step's micro-batches, each a :class:`RowLayout` of the host's rows.
+            loss_fn: ``(i, logprobs, entropies) -> scalar``: the host's loss of micro-batch ``i``
+                on tensors of its layout, scaled as the host scales it before backward.
+            loss_gradient: ``"constant"`` when the host knows its loss gradient cannot depend on the
+                values (probed before use; after one disagreement this step object stops trying),
+                ``"token_local"``, or ``"general"``.
+            entropy: the loss reads entropies.
+            quiet: a context in which ``loss_fn`` has no side effects (for the probes).
+            gradient_checkpointing: the host's checkpointing flag (``tree_mode='auto'`` then replays).
+            data_parallel: average the gradients over ``process_group`` afterwards.
+            device: where the loss's leaves live (default: the model's).
+
+        Returns:
+            :class:`StepResult`: the losses, this rank's metrics, the forest.
+        """
+        window = window if isinstance(window, Window) else Window(window)
+        forest = window.forest()
+        mode = self.options.mode_for(max(forest.lengths), gradient_checkpointing)
+        executor = self.executor(model, mode)
+        path = "general" if loss_gradient == "constant" and not self.fused_ok else loss_gradient
+        res = backward_window(
+            executor, forest, window, loss_fn, path, entropy=entropy, quiet=quiet, device=device
+        )
+        if path == "constant" and res.path != "constant":
+            self.fused_ok = False
+        if data_parallel:
+            all_reduce_gradients(model.parameters(), group=process_group)
+        score_time, self._score_time = self._score_time + res.score_time, 0.0
+        metrics = StepMetrics(forest.unique_tokens, forest.dense_tokens, mode, res.backward_time, score_time)
+        return StepResult(res.losses, metrics, forest, res)
+
+
+def _flat(per_sequence: list[torch.Tensor], executor: TreeExecutor) -> torch.Tensor:
+    if not per_sequence:
+        return torch.zeros(0, device=executor.device)
+    return torch.cat(per_sequence)

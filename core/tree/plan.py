@@ -1,0 +1,96 @@
+"""The execution plan of a forest: its nodes cut into units of at most ``block_size`` tokens.
+
+A unit is what the executor forwards at once: a whole forest node, or (replay mode, long-context
+replay) one block of it. Units keep the forest's depth-first pre-order; the blocks of one node
+form a chain, each the parent of the next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .forest import PrefixForest
+
+__all__ = ["Unit", "plan"]
+
+
+@dataclass(eq=False)
+class Unit:
+    """A unit of execution: a forest node, or one block of it.
+
+    Attributes:
+        tokens: ``[n]`` token ids.
+        start: absolute position of the first token.
+        parent: index of the parent unit, -1 for a root.
+        children: indices of the child units.
+        rows: ``[R]`` sorted offsets whose hidden states feed the LM head.
+        entry_row: ``[E]`` index into ``rows`` per entry (non-decreasing).
+        entry_ids: ``[E]`` global entry ids.
+        entry_target: ``[E]`` target tokens.
+        context_only: no token of the unit is scored by any sequence (a prompt block).
+        node: index of the forest node the unit is (a block of).
+        offset: position of the unit's first token inside that node.
+        node_len: length of that node.
+    """
+
+    tokens: torch.Tensor
+    start: int
+    parent: int
+    children: list[int] = field(default_factory=list)
+    rows: torch.Tensor = None  # type: ignore[assignment]
+    entry_row: torch.Tensor = None  # type: ignore[assignment]
+    entry_ids: torch.Tensor = None  # type: ignore[assignment]
+    entry_target: torch.Tensor = None  # type: ignore[assignment]
+    context_only: bool = False
+    node: int = -1
+    offset: int = 0
+    node_len: int = 0
+
+    @property
+    def is_block(self) -> bool:
+        """Whether the unit is one block of a longer node."""
+        return self.node_len != len(self.tokens)
+
+
+def plan(forest: PrefixForest, block_size: int | None = None) -> tuple[list[Unit], list[int]]:
+    """Cut forest nodes into execution units of at most ``block_size`` tokens (None: whole nodes).
+
+    Returns:
+        The units in depth-first pre-order, and the indices of the roots.
+    """
+    units: list[Unit] = []
+    last_unit: dict[int, int] = {}
+    roots: list[int] = []
+    for node in forest.nodes:
+        n = len(node.tokens)
+        bs = n if block_size is None else block_size
+        # Absolute row offset of every entry inside the node.
+        entry_rows_abs = node.rows[node.entry_row] if node.num_entries else torch.zeros(0, dtype=torch.long)
+        entry_ids = torch.arange(node.entry_offset, node.entry_offset + node.num_entries)
+        parent = last_unit[node.parent] if node.parent >= 0 else -1
+        for b0 in range(0, n, bs):
+            b1 = min(b0 + bs, n)
+            lo = int(torch.searchsorted(entry_rows_abs, b0))
+            hi = int(torch.searchsorted(entry_rows_abs, b1))
+            rows, inverse = torch.unique(entry_rows_abs[lo:hi], sorted=True, return_inverse=True)
+            unit = Unit(
+                tokens=node.tokens[b0:b1],
+                start=node.start + b0,
+                parent=parent,
+                rows=rows - b0,
+                entry_row=inverse.reshape(-1),
+                entry_ids=entry_ids[lo:hi],
+                entry_target=node.entry_target[lo:hi],
+                context_only=node.start + b1 <= node.first_scored,
+                node=node.index,
+                offset=b0,
+                node_len=n,
+            )
+            idx = len(units)
+            units.append(unit)
+            (units[parent].children if parent >= 0 else roots).append(idx)
+            parent = idx
+        last_unit[node.index] = parent
+    return units, roots
