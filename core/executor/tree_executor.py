@@ -182,7 +182,8 @@ class TreeExecutor:
             grad_entropies: same shapes, or None.
             coefficient_fn: instead of the two above, ``(entry_ids, logprobs, entropies) ->
                 (coef_logprobs, coef_entropies)``, evaluated per chunk of entries.
-            entropy: pass entropies to ``coefficient_fn`` (implied by ``grad_entropies``).
+            entropy: compute entropies (passed to ``coefficient_fn`` and returned); implied by
+                ``grad_entropies``.
 
         Returns:
             The detached log-probs (and entropies) the pass computed.
@@ -201,10 +202,8 @@ class TreeExecutor:
         if (grad_logprobs is None) == (coefficient_fn is None):
             raise ValueError("give exactly one of grad_logprobs or coefficient_fn")
         self._check_forest(forest)
-        if coefficient_fn is None:
-            coef, entropy = self._static(forest, grad_logprobs, grad_entropies)
-        else:
-            coef = coefficient_fn
+        coef = coefficient_fn or self._static(forest, grad_logprobs, grad_entropies)
+        entropy = entropy or grad_entropies is not None
         lp, ent = self._run(forest, grad=True, entropy=entropy, coef=coef)
         return self._result(forest, lp, ent)
 
@@ -219,7 +218,7 @@ class TreeExecutor:
         dt = self.adapter.head.weight.dtype
         return dt if dt in (torch.float32, torch.float64) else torch.float32
 
-    def _static(self, forest, grad_logprobs, grad_entropies) -> tuple[StaticCoefficients, bool]:
+    def _static(self, forest, grad_logprobs, grad_entropies) -> StaticCoefficients:
         coefs = []
         for name, values in (("grad_logprobs", grad_logprobs), ("grad_entropies", grad_entropies)):
             if values is None:
@@ -235,7 +234,7 @@ class TreeExecutor:
                     "backward pass; nothing was accumulated"
                 )
             coefs.append(c.to(self._dtype))
-        return StaticCoefficients(coefs[0], coefs[1]), coefs[1] is not None
+        return StaticCoefficients(coefs[0], coefs[1])
 
     def _check_forest(self, forest: PrefixForest) -> None:
         if not isinstance(forest, PrefixForest):

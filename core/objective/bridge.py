@@ -107,6 +107,11 @@ def _check_finite(
             )
 
 
+def _nonzero(grads: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+    """None when every gradient is zero (the pass then skips the entropy backward)."""
+    return grads if grads is not None and any(bool(g.any()) for g in grads) else None
+
+
 def _constant_gradient(window, loss_fn, entropy, quiet, dtype, device):
     """The gradient at two probe points if it agrees bitwise there (checked finite), else None."""
     probes = []
@@ -118,7 +123,7 @@ def _constant_gradient(window, loss_fn, entropy, quiet, dtype, device):
     if not all(torch.equal(a, b) for a, b in pairs):
         return None
     _check_finite(loss0, lp0, ent0)
-    return lp0, ent0
+    return lp0, _nonzero(ent0)
 
 
 def backward_window(
@@ -178,6 +183,7 @@ def backward_window(
     ent = [t.to(device) for t in window.flat(res.entropies)] if entropy else None
     losses, g_lp, g_ent = gradient(window, loss_fn, lp, ent)
     _check_finite(losses, g_lp, g_ent)
+    g_ent = _nonzero(g_ent)
     start = time.perf_counter()
     executor.backward(
         forest,

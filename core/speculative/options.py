@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar, Literal, get_args
 
@@ -85,7 +86,9 @@ class SpeculativeOptions:
 
     def speculative_options(self) -> SpeculativeOptions:
         """These options as a plain :class:`SpeculativeOptions` (from a host config that inherits them)."""
-        return SpeculativeOptions(**{n: getattr(self, n) for n in SpeculativeOptions.__dataclass_fields__})
+        return SpeculativeOptions(
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(SpeculativeOptions)}
+        )
 
     @property
     def drafter_group_size(self) -> int | None:

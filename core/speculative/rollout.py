@@ -48,6 +48,11 @@ class SelfSpeculativeRollout:
         self._step: int | None = None
         self.refreshes = 0
 
+    @property
+    def current(self) -> SpeculativeSampler | None:
+        """The sampler built so far (None before the first rollout)."""
+        return self._sampler
+
     def sampler(self, model: nn.Module, step: int, prompt_lengths: Sequence[int]) -> SpeculativeSampler:
         """The sampler for a rollout at optimizer step ``step`` of ``model`` (the unwrapped policy)."""
         if self._sampler is None:

@@ -7,6 +7,7 @@ are the same in every host, so an error message names the flag the user wrote.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar, Literal, get_args
 
@@ -111,7 +112,7 @@ class TreeOptions:
 
     def tree_options(self) -> TreeOptions:
         """These options as a plain :class:`TreeOptions` (from a host config that inherits them)."""
-        return TreeOptions(**{name: getattr(self, name) for name in TreeOptions.__dataclass_fields__})
+        return TreeOptions(**{f.name: getattr(self, f.name) for f in dataclasses.fields(TreeOptions)})
 
     def mode_for(self, longest_path: int, gradient_checkpointing: bool = False) -> ExecMode:
         """The executor mode for a forest whose longest root-to-leaf path has ``longest_path`` tokens."""

@@ -1,7 +1,12 @@
-"""forkrl for TRL: ``GRPOConfig``/``GRPOTrainer`` and ``RLOOConfig``/``RLOOTrainer`` subclasses with tree training.
+"""forkrl for TRL: ``GRPOConfig``/``GRPOTrainer`` and ``RLOOConfig``/``RLOOTrainer`` subclasses.
 
     from forkrl.plugins.trl import GRPOConfig, GRPOTrainer
     trainer = GRPOTrainer(model, reward_funcs, args=GRPOConfig(..., tree_packing=True), train_dataset=ds)
+
+- :mod:`.config`: TRL's configs plus forkrl's options (core's ``TreeOptions`` and
+  ``SpeculativeOptions``) and the rules only TRL's settings decide.
+- :mod:`.trainer`: the trainer subclasses, thin adapters over :class:`forkrl.core.train.TreeStep`.
+- :mod:`.compat`: every TRL/accelerate private the plugin relies on, checked by the contract tests.
 
 Needs TRL (``pip install 'forkrl[trl]'``).
 """

@@ -90,7 +90,7 @@ def test_sampling_with_tree_packing_refreshes_the_drafter(model_path, tmp_path, 
     assert not torch.equal(
         policies[0]["model.layers.0.mlp.up_proj.weight"], policies[2]["model.layers.0.mlp.up_proj.weight"]
     )
-    drafter = trainer._spec_sampler.drafter
+    drafter = trainer._spec_rollout.current.drafter
     reference = save_tiny_llama(tmp_path / "last", seed=0)
     from transformers import LlamaForCausalLM
 
@@ -106,9 +106,9 @@ def test_sampling_with_tree_packing_refreshes_the_drafter(model_path, tmp_path, 
 
 def test_auto_policy_calibrates_and_logs(model_path, tmp_path):
     seen: list = []
-    auto = dict(SPEC, speculative_policy="auto")
+    auto = {k: v for k, v in SPEC.items() if k != "speculative_draft_len"} | {"speculative_policy": "auto"}
     _, trainer = _run(model_path, tmp_path / "a", True, seen, max_steps=1, **auto)
-    policy = trainer._spec_sampler.policy
+    policy = trainer._spec_rollout.current.policy
     assert policy.mode == "auto" and policy.cost_model is not None
     last = [h for h in trainer.state.log_history if "spec/speculated_fraction" in h][-1]
     assert 0.0 <= last["spec/speculated_fraction"] <= 1.0
