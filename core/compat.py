@@ -35,7 +35,6 @@ __all__ = [
     "LinearAttentionLayer",
     "Private",
     "attention_implementation",
-    "cache_from_layers",
     "checkpointing_off",
     "conv_past",
     "flash_cpu",
@@ -47,10 +46,12 @@ __all__ = [
     "mark_initialized",
     "record_past",
     "register_attention",
+    "replace_layers",
     "seed_layer",
     "seed_sliding_layer",
     "seed_state_layer",
     "set_attention_implementation",
+    "set_experts_implementation",
     "store_conv_state",
     "store_recurrent_state",
 ]
@@ -117,6 +118,21 @@ def set_attention_implementation(config: PretrainedConfig, name: str) -> None:
 
 
 @_private(
+    "PretrainedConfig._experts_implementation",
+    "tiny MoE test models (Qwen3-Next) run their experts eagerly: grouped_mm has no float64 kernel",
+)
+def _check_experts_impl() -> None:
+    cfg = PretrainedConfig()
+    cfg._experts_implementation = "eager"
+    assert cfg._experts_implementation == "eager"
+
+
+def set_experts_implementation(config: PretrainedConfig, name: str) -> None:
+    """Select the MoE experts implementation (``"eager"``: a plain loop, any dtype)."""
+    config._experts_implementation = name
+
+
+@_private(
     "transformers.AttentionInterface.register",
     "registers forkrl's split attention under its own name, selected only inside tree passes",
 )
@@ -175,11 +191,9 @@ def _check_cache_layers() -> None:
     assert "layers" in _params(Cache.__init__)
 
 
-def cache_from_layers(config: PretrainedConfig, layers: list) -> DynamicCache:
-    """A ``DynamicCache`` for ``config`` whose layers are ``layers`` (forkrl's own layer objects)."""
-    cache = DynamicCache(config=config)
+def replace_layers(cache: DynamicCache, layers: list) -> None:
+    """Make ``cache`` run ``layers`` (forkrl's own layer objects) instead of the ones it built."""
     cache.layers = layers
-    return cache
 
 
 def init_cache(cache: Cache, layers: list) -> None:

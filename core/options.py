@@ -50,6 +50,15 @@ def _split_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+def _same_kind(value: Any, allowed: Any) -> bool:
+    """``True == 1`` and ``32.0 == 32`` in Python; an option value must also be of the allowed kind."""
+    if isinstance(value, bool) or isinstance(allowed, bool):
+        return isinstance(value, bool) and isinstance(allowed, bool)
+    if isinstance(allowed, int):
+        return isinstance(value, numbers.Integral)
+    return isinstance(value, type(allowed))
+
+
 def _check_value(name: str, value: Any, tp: Any, minimum: float | None) -> None:
     base, optional = _split_optional(tp)
     if value is None:
@@ -60,10 +69,7 @@ def _check_value(name: str, value: Any, tp: Any, minimum: float | None) -> None:
         )
     if get_origin(base) is Literal:
         allowed = get_args(base)
-        # `True == 1` in Python: a bool passes only where a bool is listed.
-        if (
-            isinstance(value, bool) and not any(isinstance(a, bool) for a in allowed)
-        ) or value not in allowed:
+        if not any(_same_kind(value, a) and value == a for a in allowed):
             raise ValueError(f"{name}={value!r} is not one of {allowed}")
         return
     if base is bool:

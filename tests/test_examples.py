@@ -13,7 +13,16 @@ def test_tree_training_example_runs_and_matches_dense():
     cmd = [
         sys.executable,
         str(ROOT / "examples" / "tree_training.py"),
-        "--steps", "2", "--prompts", "2", "--group", "3", "--prompt-len", "40", "--max-new", "6",
+        "--steps",
+        "2",
+        "--prompts",
+        "2",
+        "--group",
+        "3",
+        "--prompt-len",
+        "40",
+        "--max-new",
+        "6",
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

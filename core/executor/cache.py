@@ -195,7 +195,7 @@ def build_cache(
         else:
             window = getattr(template.layers[i], "sliding_window", None)
             layers.append(_attention_layer(kind, past[i], past_len, batch, window))
-    template.layers = layers
+    compat.replace_layers(template, layers)
     return template
 
 

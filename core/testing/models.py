@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import compat
+
 __all__ = [
     "BYTE_EOS",
     "BYTE_PAD",
@@ -111,8 +113,8 @@ def tiny_causal_lm(
     if name == "gemma2":
         attn = "eager"
     if name == "qwen3next":
-        cfg._experts_implementation = "eager"
-    cfg._attn_implementation = attn
+        compat.set_experts_implementation(cfg, "eager")
+    compat.set_attention_implementation(cfg, attn)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(cfg).to(dtype)
     model.eval()
@@ -147,7 +149,7 @@ def llama(
         max_position_embeddings=max_pos,
     )
     cfg = LlamaConfig(**{**fields, **overrides})
-    cfg._attn_implementation = attn
+    compat.set_attention_implementation(cfg, attn)
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).to(dtype)
 

@@ -311,6 +311,31 @@ def test_config_validation(tmp_path):
         ftrl.GRPOConfig(**common, tree_packing="yes")
     ok = ftrl.GRPOConfig(**common, long_context_replay=True, long_context_prompt_grad="none")
     assert ok.tree_enabled and not ok.tree_packing
+    # core's rules reach TRL's config unchanged (TreeOptions / SpeculativeOptions are inherited)
+    with pytest.raises(ValueError, match="tree_replay_threshold set but tree_packing=False"):
+        ftrl.GRPOConfig(**common, tree_replay_threshold=4096)
+    with pytest.raises(ValueError, match="speculative_bits set but speculative_rollout=False"):
+        ftrl.GRPOConfig(**common, speculative_bits=8)
+    with pytest.raises(ValueError, match="tree_replay_threshold=True must be an integer"):
+        ftrl.GRPOConfig(**common, tree_packing=True, tree_replay_threshold=True)
+    with pytest.raises(ValueError, match="speculative_group_size=32.0 is not one of"):
+        ftrl.GRPOConfig(**common, speculative_rollout=True, speculative_group_size=32.0)
+
+
+def test_trl_parser_reads_forkrl_flags_from_the_command_line(tmp_path):
+    """TRL's own TrlParser (HfArgumentParser) takes forkrl's fields like any TRL flag: types and
+    choices come from the core option dataclasses, and the values are validated."""
+    from trl import TrlParser
+
+    parser = TrlParser((ftrl.GRPOConfig,))
+    (cfg,) = parser.parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--use_cpu", "--report_to", "none", "--tree_packing", "--tree_mode",
+         "replay", "--tree_block_size", "512", "--speculative_rollout", "--speculative_bits", "8"]
+    )  # fmt: skip
+    assert cfg.tree_packing is True and cfg.tree_mode == "replay" and cfg.tree_block_size == 512
+    assert cfg.speculative_bits == 8 and cfg.speculative_group_size is None
+    with pytest.raises(SystemExit):
+        parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--tree_mode", "fast"])
 
 
 def test_absolute_position_models_are_refused(tmp_path):

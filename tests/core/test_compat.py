@@ -1,0 +1,46 @@
+"""Every transformers/torch private core relies on (forkrl.core.compat) is still where it was, and
+the option dataclasses derive working command-line flags (the form OpenRLHF's launcher takes)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from forkrl.core import TreeOptions, compat
+from forkrl.core.options import add_arguments, from_namespace
+from forkrl.core.speculative import SpeculativeOptions
+
+
+@pytest.mark.parametrize("private", compat.PRIVATES, ids=lambda p: p.name)
+def test_private_is_where_core_expects_it(private):
+    try:
+        private.check()
+    except Exception as err:  # noqa: BLE001 - report any breakage with the entry's reason
+        pytest.fail(
+            f"{private.name} changed (checked against {compat.CHECKED}; used for: {private.why}): {err!r}"
+        )
+
+
+def test_every_private_says_why():
+    assert compat.PRIVATES and all(len(p.why) > 30 for p in compat.PRIVATES)
+
+
+def test_flags_derived_from_the_option_dataclasses():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, TreeOptions, prefix="--forkrl.")
+    add_arguments(parser, SpeculativeOptions, prefix="--forkrl.")
+    args = parser.parse_args(
+        ["--forkrl.tree_packing", "--forkrl.tree_mode", "replay", "--forkrl.tree_block_size", "256",
+         "--forkrl.long_context_replay", "false"]
+    )  # fmt: skip
+    opts = from_namespace(TreeOptions, args, prefix="forkrl.")
+    assert opts == TreeOptions(tree_packing=True, tree_mode="replay", tree_block_size=256)
+    assert from_namespace(SpeculativeOptions, args, prefix="forkrl.") == SpeculativeOptions()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--forkrl.tree_mode", "fast"])
+    bad = parser.parse_args(["--forkrl.tree_block_size", "512"])  # parses, but tree_packing is off
+    with pytest.raises(ValueError, match="tree_block_size set but tree_packing=False"):
+        from_namespace(TreeOptions, bad, prefix="forkrl.")
+    help_text = parser.format_help()
+    assert "--forkrl.tree_mode {auto,keep,replay,packed}" in help_text and "Block size in tokens" in help_text
