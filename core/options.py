@@ -59,31 +59,32 @@ def _same_kind(value: Any, allowed: Any) -> bool:
     return isinstance(value, type(allowed))
 
 
+def _type_error(name: str, value: Any, base: Any) -> str | None:
+    """Why ``value`` is not of option type ``base`` (None when it is)."""
+    if get_origin(base) is Literal:
+        allowed = get_args(base)
+        ok = any(_same_kind(value, a) and value == a for a in allowed)
+        return None if ok else f"{name}={value!r} is not one of {allowed}"
+    if base is bool:
+        return None if isinstance(value, bool) else f"{name} must be True or False, got {value!r}"
+    if base is int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+        return f"{name}={value!r} must be an integer (got {type(value).__name__})"
+    if base is float and (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)):
+        return f"{name}={value!r} must be a finite number"
+    return None
+
+
 def _check_value(name: str, value: Any, tp: Any, minimum: float | None) -> None:
     base, optional = _split_optional(tp)
     if value is None:
         if optional:
             return
-        raise ValueError(
-            f"{name}=None is not allowed: give a value of type {getattr(base, '__name__', base)}"
-        )
-    if get_origin(base) is Literal:
-        allowed = get_args(base)
-        if not any(_same_kind(value, a) and value == a for a in allowed):
-            raise ValueError(f"{name}={value!r} is not one of {allowed}")
-        return
-    if base is bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} must be True or False, got {value!r}")
-        return
-    if base is int:
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise ValueError(f"{name}={value!r} must be an integer (got {type(value).__name__})")
-    elif base is float:
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise ValueError(f"{name}={value!r} must be a finite number")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name}={value!r} must be >= {minimum}")
+        raise ValueError(f"{name}=None is not allowed: give a value of type {getattr(base, '__name__', base)}")
+    problem = _type_error(name, value, base)
+    if problem is None and minimum is not None and value < minimum:
+        problem = f"{name}={value!r} must be >= {minimum}"
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def check_fields(obj: Any, cls: type) -> None:

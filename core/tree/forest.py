@@ -88,6 +88,19 @@ def _as_token_array(seq: Sequence[int] | torch.Tensor | np.ndarray, i: int) -> n
     return arr
 
 
+def _runs(lcp: list[int], a: int, b: int, depth: int) -> list[tuple[int, int]]:
+    """Maximal runs ``[i, j)`` of the sorted range ``[a, b)`` that share more than ``depth`` tokens."""
+    runs = []
+    i = a
+    while i < b:
+        j = i + 1
+        while j < b and lcp[j] > depth:
+            j += 1
+        runs.append((i, j))
+        i = j
+    return runs
+
+
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     if n == 0:
@@ -205,48 +218,41 @@ class PrefixForest:
         stack: list[tuple[int, int, int, int]] = [(-1, 0, len(order), 0)]
         while stack:
             parent, a, b, depth = stack.pop()
-            runs: list[tuple[int, int]] = []
-            i = a
-            while i < b:
-                j = i + 1
-                while j < b and lcp[j] > depth:
-                    j += 1
-                runs.append((i, j))
-                i = j
-            pending = []
-            for i, j in runs:
-                end = min(lcp[i + 1 : j]) if j - i > 1 else len(arrays[order[i]])
-                rep = arrays[order[i]]
-                node = TreeNode(
-                    index=len(self.nodes),
-                    tokens=torch.from_numpy(rep[depth:end].copy()),
-                    start=depth,
-                    parent=parent,
-                )
-                self.nodes.append(node)
-                if parent < 0:
-                    self.roots.append(node.index)
-                else:
-                    self.nodes[parent].children.append(node.index)
-                k = i
-                # Sorted order puts sequences that end here (prefixes of the others) first.
-                while k < j and len(arrays[order[k]]) == end:
-                    node.owners.append(order[k])
-                    k += 1
-                if k < j:
-                    pending.append((node.index, k, j, end))
+            pending = [
+                self._add_node(arrays, order, lcp, parent, i, j, depth) for i, j in _runs(lcp, a, b, depth)
+            ]
             # Visit children of this level depth-first, first run first.
-            stack.extend(reversed(pending))
+            stack.extend(reversed([p for p in pending if p is not None]))
         self._reorder_preorder()
         self.paths = [[] for _ in arrays]
         for node in self.nodes:
             for s in node.owners:
-                path = []
-                n = node.index
-                while n >= 0:
-                    path.append(n)
-                    n = self.nodes[n].parent
-                self.paths[s] = path[::-1]
+                self.paths[s] = self._path_to(node.index)
+
+    def _add_node(self, arrays, order, lcp, parent: int, i: int, j: int, depth: int):
+        """The node of sorted run ``[i, j)`` below ``parent``; returns its children's range, if any."""
+        end = min(lcp[i + 1 : j]) if j - i > 1 else len(arrays[order[i]])
+        node = TreeNode(
+            index=len(self.nodes),
+            tokens=torch.from_numpy(arrays[order[i]][depth:end].copy()),
+            start=depth,
+            parent=parent,
+        )
+        self.nodes.append(node)
+        (self.roots if parent < 0 else self.nodes[parent].children).append(node.index)
+        k = i
+        # Sorted order puts sequences that end here (prefixes of the others) first.
+        while k < j and len(arrays[order[k]]) == end:
+            node.owners.append(order[k])
+            k += 1
+        return (node.index, k, j, end) if k < j else None
+
+    def _path_to(self, n: int) -> list[int]:
+        path = []
+        while n >= 0:
+            path.append(n)
+            n = self.nodes[n].parent
+        return path[::-1]
 
     def _reorder_preorder(self) -> None:
         # The stack visits a node's siblings before its children's subtrees are finished, so the
@@ -267,71 +273,83 @@ class PrefixForest:
         self.roots = [remap[r] for r in self.roots]
 
     def _build_entries(self, arrays: list[np.ndarray]) -> None:
-        # The earliest score_from among the sequences below each node decides which of the
-        # node's tokens are scored by anyone.
+        min_score = self._min_scores()
+        offset = 0
+        for node in self.nodes:
+            offset = self._node_entries(node, min_score, offset)
+        self.num_entries = offset
+        child_slot = self._child_slots(min_score)
+        first_in = {node.index: max(1, min_score[node.index] - node.start) for node in self.nodes}
+        self.seq_entries = [
+            self._sequence_entries(s, path, child_slot, first_in) for s, path in enumerate(self.paths)
+        ]
+
+    def _min_scores(self) -> list[int]:
+        """Per node, the earliest ``score_from`` among the sequences through it: it decides which of
+        the node's tokens anyone scores."""
         min_score = [np.iinfo(np.int64).max] * len(self.nodes)
         for node in reversed(self.nodes):  # children before parents
             m = min((self.score_from[s] for s in node.owners), default=min_score[node.index])
-            for c in node.children:
-                m = min(m, min_score[c])
+            m = min([m, *(min_score[c] for c in node.children)])
             min_score[node.index] = m
             node.first_scored = int(m)
+        return min_score
 
-        offset = 0
-        for node in self.nodes:
-            length = len(node.tokens)
-            # Tokens inside the node: the target at offset o is predicted from row o - 1.
-            first = min(max(1, min_score[node.index] - node.start), length)
-            n_in = length - first
-            scored_children = [c for c in node.children if min_score[c] <= self.nodes[c].start]
-            # The first token of each child is predicted from this node's last row.
-            rows = torch.arange(first - 1, length - 1)
-            if scored_children:
-                rows = torch.cat([rows, torch.tensor([length - 1])])
-            node.rows = rows
-            node.entry_row = torch.cat(
-                [torch.arange(n_in), torch.full((len(scored_children),), len(rows) - 1, dtype=torch.long)]
-            )
-            node.entry_target = torch.cat(
-                [node.tokens[first:], torch.stack([self.nodes[c].tokens[0] for c in scored_children])]
-                if scored_children
-                else [node.tokens[first:]]
-            )
-            node.entry_offset = offset
-            offset += len(node.entry_target)
-        self.num_entries = offset
+    def _scored_children(self, node: TreeNode, min_score: list[int]) -> list[int]:
+        """Children whose first token someone scores (it is predicted from this node's last row)."""
+        return [c for c in node.children if min_score[c] <= self.nodes[c].start]
 
-        # Per sequence, the global entry of each scored token. Entry order inside a node is:
-        # in-node targets by offset, then child-first targets in child order.
+    def _node_entries(self, node: TreeNode, min_score: list[int], offset: int) -> int:
+        """Set the node's rows and entries (in-node targets by offset, then scored children's first
+        tokens in child order); returns the next global entry offset."""
+        length = len(node.tokens)
+        # Tokens inside the node: the target at offset o is predicted from row o - 1.
+        first = min(max(1, min_score[node.index] - node.start), length)
+        n_in = length - first
+        scored_children = self._scored_children(node, min_score)
+        rows = torch.arange(first - 1, length - 1)
+        if scored_children:
+            rows = torch.cat([rows, torch.tensor([length - 1])])
+        node.rows = rows
+        node.entry_row = torch.cat(
+            [torch.arange(n_in), torch.full((len(scored_children),), len(rows) - 1, dtype=torch.long)]
+        )
+        targets = [node.tokens[first:]]
+        if scored_children:
+            targets.append(torch.stack([self.nodes[c].tokens[0] for c in scored_children]))
+        node.entry_target = torch.cat(targets)
+        node.entry_offset = offset
+        return offset + len(node.entry_target)
+
+    def _child_slots(self, min_score: list[int]) -> dict[int, int]:
+        """Global entry of each scored child's first token (stored in its parent's entries)."""
         child_slot: dict[int, int] = {}
         for node in self.nodes:
-            n_in = len(node.entry_target) - sum(
-                1 for c in node.children if min_score[c] <= self.nodes[c].start
-            )
-            k = 0
-            for c in node.children:
-                if min_score[c] <= self.nodes[c].start:
-                    child_slot[c] = node.entry_offset + n_in + k
-                    k += 1
-        first_in = {node.index: max(1, min_score[node.index] - node.start) for node in self.nodes}
-        self.seq_entries = []
-        for s, path in enumerate(self.paths):
-            idx: list[np.ndarray] = []
-            sf = self.score_from[s]
-            for n in path:
-                node = self.nodes[n]
-                lo, hi = max(sf, node.start), node.end
-                if lo >= hi:
-                    continue
-                if lo == node.start:
-                    idx.append(np.array([child_slot[n]], dtype=np.int64))
-                    lo += 1
-                if lo < hi:
-                    # In-node entries start at offset first_in[n]; position p sits at entry p - start - first_in.
-                    base = node.entry_offset - node.start - first_in[n]
-                    idx.append(np.arange(lo + base, hi + base, dtype=np.int64))
-            flat = np.concatenate(idx) if idx else np.zeros(0, dtype=np.int64)
-            self.seq_entries.append(torch.from_numpy(flat))
+            scored = self._scored_children(node, min_score)
+            n_in = len(node.entry_target) - len(scored)
+            for k, c in enumerate(scored):
+                child_slot[c] = node.entry_offset + n_in + k
+        return child_slot
+
+    def _sequence_entries(
+        self, s: int, path: list[int], child_slot: dict[int, int], first_in: dict
+    ) -> torch.Tensor:
+        """``[len - score_from]`` global entry of each scored token of sequence ``s``."""
+        idx: list[np.ndarray] = []
+        sf = self.score_from[s]
+        for n in path:
+            node = self.nodes[n]
+            lo, hi = max(sf, node.start), node.end
+            if lo >= hi:
+                continue
+            if lo == node.start:
+                idx.append(np.array([child_slot[n]], dtype=np.int64))
+                lo += 1
+            if lo < hi:
+                # In-node entries start at offset first_in[n]; position p sits at entry p - start - first_in.
+                base = node.entry_offset - node.start - first_in[n]
+                idx.append(np.arange(lo + base, hi + base, dtype=np.int64))
+        return torch.from_numpy(np.concatenate(idx) if idx else np.zeros(0, dtype=np.int64))
 
     # ------------------------------------------------------------------ statistics
     @property
