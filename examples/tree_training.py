@@ -27,21 +27,22 @@ log = logging.getLogger("tree_training")
 
 
 def build_model(args):
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from forkrl.core.testing.models import tiny_causal_lm
 
     if args.model:
         return AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(args.device)
-    cfg = LlamaConfig(
+    model = tiny_causal_lm(
+        "llama-gqa",
+        dtype=torch.float32,
+        seed=args.seed,
         vocab_size=args.vocab,
         hidden_size=64,
         intermediate_size=172,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=4096,
     )
-    torch.manual_seed(args.seed)
-    return LlamaForCausalLM(cfg).to(args.device)
+    return model.to(args.device)
 
 
 def grpo_loss(advantages: torch.Tensor, old: torch.Tensor, eps: float = 0.2):
@@ -75,7 +76,9 @@ def dense_backward(model, seqs, score_from, loss_fn):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="a Hugging Face model name (default: a tiny Llama built here)")
+    ap.add_argument(
+        "--model", default=None, help="a Hugging Face model name (default: a tiny Llama built here)"
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prompts", type=int, default=2, help="prompts per step")
@@ -105,7 +108,9 @@ def main() -> None:
             with torch.no_grad():
                 out = model.generate(
                     prompt[None].expand(args.group, -1),
-                    attention_mask=torch.ones(args.group, args.prompt_len, dtype=torch.long, device=args.device),
+                    attention_mask=torch.ones(
+                        args.group, args.prompt_len, dtype=torch.long, device=args.device
+                    ),
                     do_sample=True,
                     max_new_tokens=args.max_new,
                     min_new_tokens=args.max_new,
@@ -117,7 +122,9 @@ def main() -> None:
                 score_from.append(args.prompt_len)
                 rewards.append((comp == target).float().mean())
         rewards_t = torch.stack(rewards).view(args.prompts, args.group)
-        adv = ((rewards_t - rewards_t.mean(1, keepdim=True)) / (rewards_t.std(1, keepdim=True) + 1e-4)).view(-1)
+        adv = ((rewards_t - rewards_t.mean(1, keepdim=True)) / (rewards_t.std(1, keepdim=True) + 1e-4)).view(
+            -1
+        )
 
         # --- training step over the prefix tree
         model.train()
@@ -141,7 +148,13 @@ def main() -> None:
             log.info(
                 "step 0: %s; tree step %.2fs vs dense %.2fs (%.2fx); loss %.6f vs %.6f; max relative "
                 "gradient difference %.1e (float32)",
-                forest, tree_s, dense_s, dense_s / tree_s, float(res.loss), float(dense_loss), err,
+                forest,
+                tree_s,
+                dense_s,
+                dense_s / tree_s,
+                float(res.loss),
+                float(dense_loss),
+                err,
             )
             for a, p in zip(tree_grads, model.parameters(), strict=True):
                 p.grad = a

@@ -21,61 +21,33 @@ import random
 import statistics
 import tempfile
 import time
+import warnings
 from pathlib import Path
-
-import torch
 
 log = logging.getLogger("trl_grpo_tree")
 LETTER_SETS = ("abcd", "wxyz")
 
 
-def byte_tokenizer():
-    """Byte-level tokenizer (no merges) with <pad> = 256 and <eos> = 257: nothing to download."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = {}
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    extra = 0
-    for b in range(256):
-        if b in printable:
-            alphabet[chr(b)] = b
-        else:
-            alphabet[chr(256 + extra)] = b
-            extra += 1
-    vocab = {**alphabet, "<pad>": 256, "<eos>": 257}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
-
-
 def tiny_model(path: Path, seed: int = 0) -> str:
-    """A tiny Llama and the byte tokenizer saved under ``path``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A tiny Llama (hidden 64, 2 layers) and the byte tokenizer saved under ``path``."""
+    from forkrl.core.testing.models import byte_llama, byte_tokenizer, save_pretrained
 
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=260,
-        hidden_size=64,
-        intermediate_size=172,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=8192,
-        pad_token_id=256,
-        eos_token_id=257,
-        bos_token_id=None,
+    model = byte_llama(seed, hidden_size=64, intermediate_size=172, max_position_embeddings=8192)
+    return save_pretrained(model, byte_tokenizer(), path)
+
+
+def quiet_libraries() -> None:
+    """The script's output is its own summary: the libraries' progress bars, deprecation notices
+    (TRL 1.16 and transformers 5 warn about each other's renamed checkpointing API) and info logs
+    are silenced here, at the entry point, never in library code."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings(
+        "ignore", category=FutureWarning, module=r"(transformers|trl|peft|accelerate)(\.|$)"
     )
-    model = LlamaForCausalLM(config)
-    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 256, 257
-    model.save_pretrained(path)
-    byte_tokenizer().save_pretrained(path)
-    return str(path)
+    for noisy in ("transformers", "trl", "accelerate", "datasets"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
 def dataset(n: int, doc_len: int, seed: int = 0):
@@ -102,7 +74,7 @@ def letter_reward(completions, letters, **kwargs):
 
 def make_trainer(args, model_path: str, out: Path, tree: bool, steps: int, train_set):
     import trl
-    from transformers.trainer_callback import ProgressCallback
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     from forkrl.plugins import trl as ftrl
 
@@ -128,7 +100,8 @@ def make_trainer(args, model_path: str, out: Path, tree: bool, steps: int, train
     else:
         cfg, cls = trl.GRPOConfig(**config), trl.GRPOTrainer
     trainer = cls(model=model_path, reward_funcs=letter_reward, args=cfg, train_dataset=train_set)
-    trainer.remove_callback(ProgressCallback)  # this script prints its own summary
+    for callback in (ProgressCallback, PrinterCallback):  # this script prints its own summary
+        trainer.remove_callback(callback)
     return trainer
 
 
@@ -173,8 +146,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for noisy in ("transformers", "trl", "accelerate", "datasets"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
+    quiet_libraries()
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

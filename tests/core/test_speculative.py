@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from forkrl.core.quant import QuantLinear, quantize_rtn
@@ -105,12 +105,8 @@ def test_low_bit_kernels_exist_on_this_machine():
 
 
 def tiny_llama(tied: bool, seed: int = 0, vocab: int = 61, **over) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    kwargs = dict(intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    kwargs.update(over)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, tie_word_embeddings=tied, **kwargs)
-    cfg._attn_implementation = "sdpa"
-    return LlamaForCausalLM(cfg).eval()
+    config = {**SIZES, "vocab_size": vocab, "tie_word_embeddings": tied, **over}
+    return make_model("llama-gqa", dtype=torch.float32, seed=seed, **config)
 
 
 def storages(module: nn.Module) -> set[int]:

@@ -11,53 +11,23 @@ from typing import Any
 
 import torch
 from datasets import Dataset
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM
 
-PAD, EOS = 256, 257
-VOCAB = 260
+from forkrl.core.testing.models import (
+    BYTE_EOS,
+    BYTE_PAD,
+    BYTE_VOCAB,
+    byte_llama,
+    byte_tokenizer,
+    save_pretrained,
+)
 
-
-def _example(name: str):
-    """A module from examples/ (not a package), loaded by path."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[2] / "examples" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"forkrl_example_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level tokenizer without merges, <pad> = 256 and <eos> = 257: the example's own."""
-    tok = _example("trl_grpo_tree").byte_tokenizer()
-    assert (tok.pad_token_id, tok.eos_token_id) == (PAD, EOS)
-    return tok
+PAD, EOS, VOCAB = BYTE_PAD, BYTE_EOS, BYTE_VOCAB
 
 
 def save_tiny_llama(path: Path, seed: int = 0, **overrides: Any) -> str:
-    """A tiny Llama (GQA) and its tokenizer saved under ``path``; returns the path."""
-    torch.manual_seed(seed)
-    cfg = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        pad_token_id=PAD,
-        eos_token_id=EOS,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-    )
-    cfg.update(overrides)
-    model = LlamaForCausalLM(LlamaConfig(**cfg)).float()
-    model.generation_config.pad_token_id = PAD
-    model.generation_config.eos_token_id = EOS
-    model.save_pretrained(path)
-    byte_tokenizer().save_pretrained(path)
-    return str(path)
+    """A tiny Llama (GQA, hidden 32) and the byte tokenizer saved under ``path``; returns the path."""
+    return save_pretrained(byte_llama(seed, **overrides), byte_tokenizer(), path)
 
 
 SYSTEM = "You are a careful assistant. Answer with letters only. "
