@@ -8,9 +8,9 @@ truncated gradient of LongStraw, arXiv 2607.14952). Dense trains each prompt+res
 plainly (one sequence per micro-batch). Each method runs in its own process, so its peak RSS is its
 own. Prints a table, then one line of JSON.
 
-    .venv/bin/python benchmarks/long_context.py --P 4096,16384 --G 2,8                 # minutes
-    .venv/bin/python benchmarks/long_context.py --P 16384,65536 --G 2,8 --methods exact,none
-    .venv/bin/python benchmarks/long_context.py --find-max --budget-gib 16           # longest prompt that fits
+    .venv/bin/python -m benchmarks.long_context --P 4096,16384 --G 2,8                 # minutes
+    .venv/bin/python -m benchmarks.long_context --P 16384,65536 --G 2,8 --methods exact,none
+    .venv/bin/python -m benchmarks.long_context --find-max --budget-gib 16           # longest prompt that fits
 """
 
 from __future__ import annotations
@@ -26,19 +26,21 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SavedBytes, machine, make_llama, peak_rss_bytes  # noqa: E402
+from benchmarks.common import machine
+from forkrl.core import PrefixForest, TreeExecutor
+from forkrl.core.executor import plan
+from forkrl.core.testing import SavedBytes, peak_rss_bytes
+from forkrl.core.testing.models import llama
 
-from forkrl.core import PrefixForest, TreeExecutor  # noqa: E402
-from forkrl.core.executor import plan  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]  # the child process imports benchmarks from here
 
-# MODELS' tiny with 2 layers and one key/value head: keys/values are small next to activations, as
+# SIZES' tiny with 2 layers and one key/value head: keys/values are small next to activations, as
 # in real long-context models.
 TINY = dict(num_hidden_layers=2, num_key_value_heads=1)
 
 
 def make_model(vocab: int, max_pos: int):
-    return make_llama("tiny", max_pos=max_pos, vocab_size=vocab, **TINY)
+    return llama("tiny", max_pos=max_pos, vocab_size=vocab, **TINY)
 
 
 def batch(P: int, G: int, R: int, vocab: int):
@@ -80,14 +82,14 @@ def run_one(method: str, P: int, G: int, R: int, block: int, vocab: int, split: 
             units, _ = plan(forest, block)
             inner = sum(1 for u in units if u.children)  # prompt blocks: forwarded twice by "exact"
             total = len(units) - inner + inner * (2 if method == "exact" else 1)
-            forward, calls = ex._forward_unit, [0]
+            forward, calls = ex.adapter.hidden, [0]  # one decoder forward per unit in a gradient pass
 
-            def counted(*a):
+            def counted(*a, **k):
                 progress(calls[0], total)
                 calls[0] += 1
-                return forward(*a)
+                return forward(*a, **k)
 
-            ex._forward_unit = counted
+            ex.adapter.hidden = counted
             ex.backward(forest, coefs)
     progress(total, total)
     seconds = time.perf_counter() - t0
@@ -129,7 +131,8 @@ def _rss() -> int:
 def in_child(method: str, P: int, G: int, args, limit_gib: float | None = None) -> dict | None:
     cmd = [
         sys.executable,
-        __file__,
+        "-m",
+        "benchmarks.long_context",
         "--one",
         f"{method}:{P}:{G}",
         "--R",
@@ -149,7 +152,8 @@ def in_child(method: str, P: int, G: int, args, limit_gib: float | None = None) 
         # from mmap go back to the OS on free. Applied to every method alike.
         env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
     print(f"  {method} P={P} G={G}:", file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)  # stderr: the child's progress
+    # stderr: the child's progress
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
     if proc.returncode != 0:
         return None
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -176,7 +180,7 @@ def find_max(method: str, args) -> int:
     return lo
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--P", default="4096,16384")
     ap.add_argument("--G", default="2,8")
@@ -201,55 +205,78 @@ def main() -> None:
         help="TreeExecutor(split_attention=False): the model's masked sdpa over the prompt cache",
     )
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def run_find_max(methods: list[str], args) -> list[dict]:
+    """The longest prompt within the budget, per method; prints its table."""
+    rows = []
+    for m in methods:
+        rows.append({"method": m, "max_P": find_max(m, args), "G": args.G_max, "budget_gib": args.budget_gib})
+    print("| method | G | longest prompt in budget |\n|---|---|---|")
+    for r in rows:
+        print(f"| {r['method']} | {r['G']} | {r['max_P']} |")
+    return rows
+
+
+def run_grid(methods: list[str], args) -> list[dict]:
+    """Every method on every (P, G), each in its own process; a failed run is a row marked failed."""
+    rows = []
+    for P in (int(x) for x in args.P.split(",")):
+        for G in (int(x) for x in args.G.split(",")):
+            for m in methods:
+                r = in_child(m, P, G, args)
+                if r is None:
+                    r = {"method": m, "P": P, "G": G, "failed": True}
+                print(f"  {m} P={P} G={G}: {r}", file=sys.stderr, flush=True)
+                rows.append(r)
+    return rows
+
+
+def print_grid(rows: list[dict]) -> None:
+    print("| P | G | method | seconds | peak saved MB | peak RSS MB |\n|---|---|---|---|---|---|")
+    for r in rows:
+        if r.get("failed"):
+            print(f"| {r['P']} | {r['G']} | {r['method']} | failed | - | - |")
+        else:
+            print(
+                f"| {r['P']} | {r['G']} | {r['method']} | {r['seconds']:.1f} | {r['saved_peak_mb']:.1f} | "
+                f"{r['peak_rss_mb']:.0f} |"
+            )
+
+
+def print_fits(fits: list[dict], budget_gib: float) -> None:
+    print(
+        f"\nPeak RSS = intercept + slope x P (least squares over the P above), and the longest prompt "
+        f"that would fit in {budget_gib:g} GiB by that line (extrapolated, not run):\n"
+    )
+    print(
+        "| method | G | KiB per prompt token | intercept MiB | max residual MiB | longest prompt in budget |"
+    )
+    print("|---|---|---|---|---|---|")
+    for f in fits:
+        print(
+            f"| {f['method']} | {f['G']} | {f['kib_per_token']:.3f} | {f['intercept_mib']:.0f} | "
+            f"{f['max_residual_mib']:.2f} | {f['max_P_extrapolated'] / 1e6:.2f}M |"
+        )
+
+
+def main() -> None:
+    args = parse_args()
     if args.one:
         method, P, G = args.one.split(":")
         print(json.dumps(run_one(method, int(P), int(G), args.R, args.block_size, args.vocab, args.split)))
         return
 
-    rows = []
     methods = args.methods.split(",")
     if args.find_max:
-        for m in methods:
-            rows.append(
-                {"method": m, "max_P": find_max(m, args), "G": args.G_max, "budget_gib": args.budget_gib}
-            )
-        print("| method | G | longest prompt in budget |\n|---|---|---|")
-        for r in rows:
-            print(f"| {r['method']} | {r['G']} | {r['max_P']} |")
+        rows = run_find_max(methods, args)
     else:
-        for P in (int(x) for x in args.P.split(",")):
-            for G in (int(x) for x in args.G.split(",")):
-                for m in methods:
-                    r = in_child(m, P, G, args)
-                    if r is None:
-                        r = {"method": m, "P": P, "G": G, "failed": True}
-                    print(f"  {m} P={P} G={G}: {r}", file=sys.stderr, flush=True)
-                    rows.append(r)
-        print("| P | G | method | seconds | peak saved MB | peak RSS MB |\n|---|---|---|---|---|---|")
-        for r in rows:
-            if r.get("failed"):
-                print(f"| {r['P']} | {r['G']} | {r['method']} | failed | - | - |")
-            else:
-                print(
-                    f"| {r['P']} | {r['G']} | {r['method']} | {r['seconds']:.1f} | {r['saved_peak_mb']:.1f} | "
-                    f"{r['peak_rss_mb']:.0f} |"
-                )
+        rows = run_grid(methods, args)
+        print_grid(rows)
         fits = fit_memory(rows, args.budget_gib)
         if fits:
-            print(
-                f"\nPeak RSS = intercept + slope x P (least squares over the P above), and the longest prompt "
-                f"that would fit in {args.budget_gib:g} GiB by that line (extrapolated, not run):\n"
-            )
-            print(
-                "| method | G | KiB per prompt token | intercept MiB | max residual MiB | longest prompt in budget |"
-            )
-            print("|---|---|---|---|---|---|")
-            for f in fits:
-                print(
-                    f"| {f['method']} | {f['G']} | {f['kib_per_token']:.3f} | {f['intercept_mib']:.0f} | "
-                    f"{f['max_residual_mib']:.2f} | {f['max_P_extrapolated'] / 1e6:.2f}M |"
-                )
+            print_fits(fits, args.budget_gib)
             rows = rows + fits
     print(json.dumps({"benchmark": "long_context", "machine": machine(), "args": vars(args), "rows": rows}))
 

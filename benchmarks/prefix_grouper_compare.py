@@ -13,13 +13,13 @@ and, on the first configuration, each method's largest per-parameter relative gr
 and largest log-prob difference against dense (float32). Prints a table, then one line of JSON.
 
     .venv/bin/pip install prefix-grouper     # 0.0.1.post1: pure Python, no dependencies
-    .venv/bin/python benchmarks/prefix_grouper_compare.py --models micro --P 64 --G 2 --R 16   # smoke, seconds
-    .venv/bin/python benchmarks/prefix_grouper_compare.py --models tiny --P 512 --G 4
-    .venv/bin/python benchmarks/prefix_grouper_compare.py --models small --P 2048 --G 16      # the target row
-    .venv/bin/python benchmarks/prefix_grouper_compare.py --models tiny,small --P 512,2048,8192 --G 4,8,16
+    .venv/bin/python -m benchmarks.prefix_grouper_compare --models micro --P 64 --G 2 --R 16   # smoke, seconds
+    .venv/bin/python -m benchmarks.prefix_grouper_compare --models tiny --P 512 --G 4
+    .venv/bin/python -m benchmarks.prefix_grouper_compare --models small --P 2048 --G 16      # the target row
+    .venv/bin/python -m benchmarks.prefix_grouper_compare --models tiny,small --P 512,2048,8192 --G 4,8,16
 
-``micro`` (hidden 64, 2 layers, GQA 4/2 heads, vocab 1024) is added here to the sizes of common.py
-for smoke tests only.
+``micro`` (hidden 64, 2 layers, GQA 4/2 heads, vocab 1024) is the forkrl.core.testing.models.SIZES
+size for smoke tests only.
 
 How Prefix Grouper is wired into transformers 5.x (all of it in this file, nothing patched globally):
   * ``prefix_grouper.utils.register_transformers.register_attention()`` registers its attention
@@ -48,17 +48,14 @@ import argparse
 import contextlib
 import json
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MODELS, SavedBytes, machine, make_llama, print_table, timed  # noqa: E402
-from tree_training import dense_step, grpo_batch, ideal_flops  # noqa: E402
-
-from forkrl.core import PrefixForest, TreeExecutor  # noqa: E402
-
-MODELS.setdefault("micro", (64, 2, 4, 2, 172, 1024))  # smoke tests only
+from benchmarks.common import machine, print_table, timed
+from benchmarks.tree_training import dense_step, grpo_batch, ideal_flops
+from forkrl.core import PrefixForest, TreeExecutor
+from forkrl.core.testing import SavedBytes
+from forkrl.core.testing.models import llama
 
 PG_ATTN = "prefix_grouper_attention"
 
@@ -189,6 +186,46 @@ def _flat_lp(method: str, out) -> torch.Tensor:
     return torch.cat(out)
 
 
+def _method_fn(method, model, seqs, sf, coefs, forest, pgb, args):
+    """What one timed run of ``method`` calls (a keep executor is built here, outside the clock)."""
+    if method == "dense":
+
+        def fn():
+            return dense_step(model, seqs, sf, coefs, args.dense_tokens, grad=True)
+    elif method == "keep":
+        ex = TreeExecutor(model, mode="keep")
+
+        def fn(ex=ex):
+            return ex.backward(forest, coefs)
+    elif method == "prefix_grouper":
+
+        def fn():
+            return pg_step(model, pgb, inner=f"prefix_grouper_{args.pg_inner}")
+    else:
+        raise ValueError(f"unknown method {method!r}")
+    return fn
+
+
+def _check(row: dict, method: str, model, out, ref: dict) -> None:
+    """Gradient and log-prob differences against dense's run (kept in ``ref``; methods before it
+    are not compared)."""
+    lp = _flat_lp(method, out)
+    if method == "dense":
+        ref["grads"], ref["lp"] = _grads(model), lp
+    elif ref:
+        row[f"{method}_grad_rel_diff"] = _max_rel(_grads(model), ref["grads"])
+        row[f"{method}_logprob_max_abs_diff"] = (lp - ref["lp"]).abs().max().item()
+
+
+def _ratios(row: dict, methods: list[str]) -> None:
+    if "dense" in methods:
+        for m in methods:
+            if m != "dense":
+                row[f"{m}_speedup"] = row["dense_s"] / row[f"{m}_s"]
+    if "keep" in methods and "prefix_grouper" in methods:
+        row["keep_over_prefix_grouper"] = row["prefix_grouper_s"] / row["keep_s"]
+
+
 def run_config(model, name, P, G, R, methods, args, check: bool) -> dict:
     seqs, sf, coefs = grpo_batch(P, G, R, model.config.vocab_size)
     forest = PrefixForest.build(seqs, sf)
@@ -196,23 +233,9 @@ def run_config(model, name, P, G, R, methods, args, check: bool) -> dict:
     row = {"model": name, "P": P, "G": G, "R": R, "ideal_flop_ratio": d_fl / t_fl}
     pgb = PGBatch(seqs, sf, coefs) if "prefix_grouper" in methods else None
     meter = SavedBytes()
-    ref_grads = ref_lp = None
+    ref: dict = {}
     for method in methods:
-        if method == "dense":
-
-            def fn():
-                return dense_step(model, seqs, sf, coefs, args.dense_tokens, grad=True)
-        elif method == "keep":
-            ex = TreeExecutor(model, mode="keep")
-
-            def fn(ex=ex):
-                return ex.backward(forest, coefs)
-        elif method == "prefix_grouper":
-
-            def fn():
-                return pg_step(model, pgb, inner=f"prefix_grouper_{args.pg_inner}")
-        else:
-            raise ValueError(f"unknown method {method!r}")
+        fn = _method_fn(method, model, seqs, sf, coefs, forest, pgb, args)
         best = float("inf")
         for _ in range(args.repeats):
             model.zero_grad(set_to_none=True)
@@ -223,19 +246,9 @@ def run_config(model, name, P, G, R, methods, args, check: bool) -> dict:
         row[f"{method}_saved_mb"] = meter.peak / 2**20
         print(f"  {name} P={P} G={G} {method}: {best:.2f}s", file=sys.stderr, flush=True)
         if check:
-            lp = _flat_lp(method, out)
-            if method == "dense":
-                ref_grads, ref_lp = _grads(model), lp
-            elif ref_grads is not None:
-                row[f"{method}_grad_rel_diff"] = _max_rel(_grads(model), ref_grads)
-                row[f"{method}_logprob_max_abs_diff"] = (lp - ref_lp).abs().max().item()
+            _check(row, method, model, out, ref)
     model.zero_grad(set_to_none=True)
-    if "dense" in methods:
-        for m in methods:
-            if m != "dense":
-                row[f"{m}_speedup"] = row["dense_s"] / row[f"{m}_s"]
-    if "keep" in methods and "prefix_grouper" in methods:
-        row["keep_over_prefix_grouper"] = row["prefix_grouper_s"] / row["keep_s"]
+    _ratios(row, methods)
     return row
 
 
@@ -265,7 +278,7 @@ def main() -> None:
             raise SystemExit(f"{e}: pip install prefix-grouper, or pass --methods dense,keep") from e
     rows = []
     for name in args.models.split(","):
-        model = make_llama(name)
+        model = llama(name)
         for P in (int(x) for x in args.P.split(",")):
             for G in (int(x) for x in args.G.split(",")):
                 rows.append(run_config(model, name, P, G, args.R, methods, args, check=not rows))

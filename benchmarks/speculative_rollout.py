@@ -1,7 +1,7 @@
 """Self-speculative rollout against plain sampling, on a trained model and a long-tailed workload.
 
-1. Trains a Llama (a benchmarks/common.py MODELS size; intermediate rounded up to a multiple of
-   128 so int4 groups of 128 tile it, which MODELS' 344/1376 do not) for --train-seconds on a noisy
+1. Trains a Llama (a forkrl.core.testing.models.SIZES size; intermediate rounded up to a multiple
+   of 128 so int4 groups of 128 tile it, which SIZES' 344/1376 do not) for --train-seconds on a noisy
    countdown grammar: prompt ``[BOS, filler..., SEP, v0]``, then ``v-1`` (p=0.85) or ``v-2``
    (p=0.15) down to 0/1, then EOS, so a completion is about v0 / 1.15 tokens long and its
    length is set by the prompt. Sampling stays stochastic (temperature 1), acceptance realistic.
@@ -21,9 +21,9 @@
 
 Prints the calibration table, the rollout table, then one line of JSON.
 
-    .venv/bin/python benchmarks/speculative_rollout.py                                # ~8 min on 2 CPU cores
-    .venv/bin/python benchmarks/speculative_rollout.py --model tiny --train-seconds 60  # quick look
-    .venv/bin/python benchmarks/speculative_rollout.py --device cuda --batch 256
+    .venv/bin/python -m benchmarks.speculative_rollout                                # ~8 min on 2 CPU cores
+    .venv/bin/python -m benchmarks.speculative_rollout --model tiny --train-seconds 60  # quick look
+    .venv/bin/python -m benchmarks.speculative_rollout --device cuda --batch 256
 """
 
 from __future__ import annotations
@@ -31,16 +31,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MODELS, machine, make_llama, peak_rss_bytes, print_table, timed  # noqa: E402
+from benchmarks.common import machine, print_table, timed
+from forkrl.core.speculative import Drafter, SpeculationPolicy, SpeculativeSampler
+from forkrl.core.testing import peak_rss_bytes
+from forkrl.core.testing.models import SIZES, llama
 
-from forkrl.core.speculative import Drafter, SpeculationPolicy, SpeculativeSampler  # noqa: E402
+# SIZES' "micro" is prefix_grouper_compare's smoke-test size; the choices here stay tiny and small.
+MODEL_CHOICES = sorted(name for name in SIZES if name != "micro")
 
 PAD, BOS, EOS, SEP = 0, 1, 2, 3
 FILLER = (4, 100)  # filler token ids in the prompt
@@ -50,12 +51,12 @@ SHORT_V, LONG_V = (6, 40), (200, 360)
 
 
 def make_model(name: str, device: str, vocab: int | None = None) -> torch.nn.Module:
-    """A MODELS-size Llama with the grammar's special tokens and an int4-tileable MLP width."""
-    inter = MODELS[name][4]
-    model = make_llama(
+    """A SIZES-size Llama with the grammar's special tokens and an int4-tileable MLP width."""
+    inter = SIZES[name][4]
+    model = llama(
         name,
         max_pos=2048,
-        vocab_size=vocab or MODELS[name][5],
+        vocab_size=vocab or SIZES[name][5],
         intermediate_size=-(-inter // 128) * 128,
         bos_token_id=BOS,
         eos_token_id=EOS,
@@ -261,14 +262,14 @@ def run_method(method, model, drafter, policy, ids, mask, max_new, args, seed) -
     }
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="small", choices=sorted(MODELS))
+    ap.add_argument("--model", default="small", choices=MODEL_CHOICES)
     ap.add_argument(
         "--vocab",
         type=int,
         default=4096,
-        help="vocabulary size (MODELS' 32000 makes the LM head 40%% of the small model's FLOPs, against "
+        help="vocabulary size (SIZES' 32000 makes the LM head 40%% of the small model's FLOPs, against "
         "about 7%% in a 7B model; 4096 restores a realistic share and trains 4x faster)",
     )
     ap.add_argument("--train-seconds", type=float, default=180)
@@ -300,10 +301,12 @@ def main() -> None:
     )
     ap.add_argument("--save-model", default="", help="save the trained weights here")
     ap.add_argument("--load-model", default="", help="skip training: load weights saved with --save-model")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    return ap.parse_args()
 
+
+def trained_model(args) -> tuple[torch.nn.Module, int, list[float], list[float]]:
+    """The policy, trained for --train-seconds (or loaded with --load-model): (model, parameter
+    count, training losses, the last tenth of them)."""
     model = make_model(args.model, args.device, args.vocab)
     n_params = sum(p.numel() for p in model.parameters())
     if args.load_model:
@@ -327,7 +330,11 @@ def main() -> None:
             f"# {len(losses)} steps, loss {losses[0]:.3f} -> {sum(tail) / len(tail):.3f} "
             f"(grammar floor ~{entropy_floor():.3f})"
         )
+    return model, n_params, losses, tail
 
+
+def build_drafter(model, args) -> tuple[Drafter, dict, float, float]:
+    """The int4 drafter, its memory report, build and refresh seconds; prints a summary."""
     t_build, drafter = timed(lambda: Drafter.from_policy(model, bits=args.bits, group_size=args.group_size))
     t_refresh, _ = timed(lambda: drafter.refresh(model))
     mem = drafter.memory_report(model)
@@ -335,17 +342,26 @@ def main() -> None:
         f"# drafter {drafter.kernel} ({drafter.kernels}), {mem['drafter_bytes'] / 2**20:.1f} MiB = "
         f"{100 * mem['overhead_fraction']:.1f}% of the policy; build {t_build:.2f} s, refresh {t_refresh:.2f} s"
     )
-    if args.device == "cpu":
-        kernels = kernel_table(model, drafter)
-        print("\n## Linear layers, summed over the model (ms per forward at M rows)\n")
-        print_table(
-            kernels,
-            [("rows", "{}"), ("dense_fp32_ms", "{:.2f}"), ("int4_bf16_ms", "{:.2f}"), ("int4_over_dense", "{:.3f}"),
-             ("int4_fp32_ms", "{:.2f}")],
-        )  # fmt: skip
-    else:
-        kernels = []  # the CUDA int4 op has a different layout; the calibration table covers it
-    clock = args.clock or ("cpu" if args.threads == 1 else "wall")
+    return drafter, mem, t_build, t_refresh
+
+
+def linear_layers(model, drafter, args) -> list[dict]:
+    """The linear-layer kernel table (CPU only; printed), else []."""
+    if args.device != "cpu":
+        return []  # the CUDA int4 op has a different layout; the calibration table covers it
+    kernels = kernel_table(model, drafter)
+    print("\n## Linear layers, summed over the model (ms per forward at M rows)\n")
+    print_table(
+        kernels,
+        [("rows", "{}"), ("dense_fp32_ms", "{:.2f}"), ("int4_bf16_ms", "{:.2f}"), ("int4_over_dense", "{:.3f}"),
+         ("int4_fp32_ms", "{:.2f}")],
+    )  # fmt: skip
+    return kernels
+
+
+def calibrated_policy(model, drafter, clock: str, args) -> tuple[SpeculationPolicy, float, list[dict]]:
+    """The policy calibrated on this machine, its acceptance estimate warmed on the task; prints the
+    calibration table. Returns (policy, its starting acceptance estimate alpha0, calibration rows)."""
     calib_batches = [int(b) for b in args.calib_batches.split(",")]
     t_cal, policy = timed(
         lambda: SpeculationPolicy.calibrate(
@@ -379,50 +395,53 @@ def main() -> None:
         [("batch", "{}"), ("target_ms", "{:.2f}"), ("draft_ms", "{:.2f}"), ("verify_ms", "{:.2f}"),
          ("draft_over_target", "{:.3f}"), ("verify_over_target", "{:.3f}"), ("best_k", "{}"), ("speedup", "{:.3f}")],
     )  # fmt: skip
+    return policy, alpha0, calib
 
-    t_decide, _ = timed(lambda: [policy.decide(b % 64 + 1, 8, 2 + b % 3, 300) for b in range(10000)])
-    policy.alpha = alpha0
-    print(f"# policy.decide: {1e6 * t_decide / 10000:.1f} us per decode step")
 
-    methods = args.methods.split(",")
-    key = "cpu_s" if clock == "cpu" else "wall_s"
-    results = []
-    for wl in args.workloads.split(","):
-        bsz = {"few-long": 4, "one-long": 1}.get(wl, args.batch)
-        max_new = args.short_max_new_tokens if wl == "short" else args.max_new_tokens
-        v0s = workload("long" if wl.endswith("-long") else wl, bsz, args.seed + 1)
-        g = torch.Generator().manual_seed(args.seed + 2)
-        ids, mask = left_pad([prompt(v, g) for v in v0s], args.device)
-        runs: dict[str, list[dict]] = {m: [] for m in methods}
-        for r in range(args.repeats):
-            for m in methods if r % 2 == 0 else methods[::-1]:
-                if m == "hf" and r:  # several times slower than plain: one run is enough to show it
-                    continue
-                pol = {"plain": SpeculationPolicy.never(), "auto": policy,
-                       "always": SpeculationPolicy.fixed(args.always_k), "hf": None}[m]  # fmt: skip
-                if m == "auto":
-                    policy.alpha = alpha0  # each repeat starts from the same estimate
-                res = run_method(m, model, drafter, pol, ids, mask, max_new, args, seed=args.seed + 10 * r)
-                runs[m].append(res)
-                print(
-                    f"# {wl} {m} repeat {r}: wall {res['wall_s']:.2f} s, cpu {res['cpu_s']:.2f} s", flush=True
-                )
-        rows = {}
-        for m, rs in runs.items():
-            row = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
-            row.update(workload=wl, method=m, batch=bsz, max_new=max_new, tok_per_s=row["tokens"] / row[key])
-            rows[m] = row
-        # Ratios are paired: each run against the plain run of the same repeat (adjacent in time),
-        # then the median over repeats, which cancels slow drifts in the machine's load.
-        base = "plain" if "plain" in runs else methods[0]
-        for m, row in rows.items():
-            pairs = list(zip(runs[m], runs[base], strict=False))
-            row["time_vs_plain"] = statistics.median(x[key] / y[key] for x, y in pairs)
-            row["per_token_vs_plain"] = statistics.median(
-                (x[key] / x["tokens"]) / (y[key] / y["tokens"]) for x, y in pairs
-            )
-            results.append(row)
+def run_workload(wl, model, drafter, policy, alpha0, methods, args) -> tuple[dict[str, list[dict]], int, int]:
+    """Every method's --repeats runs on workload ``wl``, interleaved: (runs per method, batch, budget)."""
+    bsz = {"few-long": 4, "one-long": 1}.get(wl, args.batch)
+    max_new = args.short_max_new_tokens if wl == "short" else args.max_new_tokens
+    v0s = workload("long" if wl.endswith("-long") else wl, bsz, args.seed + 1)
+    g = torch.Generator().manual_seed(args.seed + 2)
+    ids, mask = left_pad([prompt(v, g) for v in v0s], args.device)
+    runs: dict[str, list[dict]] = {m: [] for m in methods}
+    for r in range(args.repeats):
+        for m in methods if r % 2 == 0 else methods[::-1]:
+            if m == "hf" and r:  # several times slower than plain: one run is enough to show it
+                continue
+            pol = {"plain": SpeculationPolicy.never(), "auto": policy,
+                   "always": SpeculationPolicy.fixed(args.always_k), "hf": None}[m]  # fmt: skip
+            if m == "auto":
+                policy.alpha = alpha0  # each repeat starts from the same estimate
+            res = run_method(m, model, drafter, pol, ids, mask, max_new, args, seed=args.seed + 10 * r)
+            runs[m].append(res)
+            print(f"# {wl} {m} repeat {r}: wall {res['wall_s']:.2f} s, cpu {res['cpu_s']:.2f} s", flush=True)
+    return runs, bsz, max_new
 
+
+def workload_rows(wl, runs: dict[str, list[dict]], bsz: int, max_new: int, methods, key: str) -> list[dict]:
+    """One row per method: medians over the repeats, and times paired against the plain runs."""
+    rows = {}
+    for m, rs in runs.items():
+        row = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
+        row.update(workload=wl, method=m, batch=bsz, max_new=max_new, tok_per_s=row["tokens"] / row[key])
+        rows[m] = row
+    # Ratios are paired: each run against the plain run of the same repeat (adjacent in time),
+    # then the median over repeats, which cancels slow drifts in the machine's load.
+    base = "plain" if "plain" in runs else methods[0]
+    out = []
+    for m, row in rows.items():
+        pairs = list(zip(runs[m], runs[base], strict=False))
+        row["time_vs_plain"] = statistics.median(x[key] / y[key] for x, y in pairs)
+        row["per_token_vs_plain"] = statistics.median(
+            (x[key] / x["tokens"]) / (y[key] / y["tokens"]) for x, y in pairs
+        )
+        out.append(row)
+    return out
+
+
+def print_results(results: list[dict], clock: str) -> None:
     print(
         f"\n## Rollout (median of repeats; {clock} clock; time_vs_plain: median over repeats of time / plain's time"
         " in the same repeat)\n"
@@ -434,6 +453,31 @@ def main() -> None:
          ("len_p50", "{:.0f}"), ("len_p90", "{:.0f}"), ("len_max", "{:.0f}"), ("acceptance", "{:.3f}"),
          ("spec_frac", "{:.2f}"), ("mean_k", "{:.2f}"), ("tok_per_step", "{:.2f}"), ("first_spec_batch", "{:.0f}")],
     )  # fmt: skip
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    model, n_params, losses, tail = trained_model(args)
+    drafter, mem, t_build, t_refresh = build_drafter(model, args)
+    kernels = linear_layers(model, drafter, args)
+    clock = args.clock or ("cpu" if args.threads == 1 else "wall")
+    policy, alpha0, calib = calibrated_policy(model, drafter, clock, args)
+
+    t_decide, _ = timed(lambda: [policy.decide(b % 64 + 1, 8, 2 + b % 3, 300) for b in range(10000)])
+    policy.alpha = alpha0
+    print(f"# policy.decide: {1e6 * t_decide / 10000:.1f} us per decode step")
+
+    methods = args.methods.split(",")
+    key = "cpu_s" if clock == "cpu" else "wall_s"
+    results = []
+    for wl in args.workloads.split(","):
+        runs, bsz, max_new = run_workload(wl, model, drafter, policy, alpha0, methods, args)
+        results.extend(workload_rows(wl, runs, bsz, max_new, methods, key))
+
+    print_results(results, clock)
     summary = {
         "benchmark": "speculative_rollout",
         "machine": machine(),

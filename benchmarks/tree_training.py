@@ -9,9 +9,9 @@ backward (the gradient of sum(coef * logprob) over the completions) runs as:
 and no-grad scoring runs as dense vs TreeExecutor.score. Ratios are measured side by side in one
 process. Prints a table, then one line of JSON.
 
-    .venv/bin/python benchmarks/tree_training.py --models tiny --P 512 --G 4          # a minute
-    .venv/bin/python benchmarks/tree_training.py --models small --P 2048 --G 16       # the target row
-    .venv/bin/python benchmarks/tree_training.py --models tiny,small --P 512,2048,8192 --G 4,8,16
+    .venv/bin/python -m benchmarks.tree_training --models tiny --P 512 --G 4          # a minute
+    .venv/bin/python -m benchmarks.tree_training --models small --P 2048 --G 16       # the target row
+    .venv/bin/python -m benchmarks.tree_training --models tiny,small --P 512,2048,8192 --G 4,8,16
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import SavedBytes, flops_per_token, machine, make_llama, peak_rss_bytes, print_table, timed  # noqa: E402
+from benchmarks.common import machine, print_table, timed
+from forkrl.core import PrefixForest, TreeExecutor
+from forkrl.core.testing import SavedBytes, peak_rss_bytes
+from forkrl.core.testing.models import flops_per_token, llama
 
-from forkrl.core import PrefixForest, TreeExecutor  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]  # the child process imports benchmarks from here
 
 
 def grpo_batch(P: int, G: int, R: int, vocab: int, seed: int = 0):
@@ -108,7 +110,9 @@ def run_config(model, name, P, G, R, methods, args) -> dict:
     if args.score:
         model.zero_grad(set_to_none=True)
         ex = TreeExecutor(model, mode="keep")
-        row["score_dense_s"], _ = timed(lambda: dense_step(model, seqs, sf, coefs, args.dense_tokens, grad=False))
+        row["score_dense_s"], _ = timed(
+            lambda: dense_step(model, seqs, sf, coefs, args.dense_tokens, grad=False)
+        )
         row["score_tree_s"], _ = timed(lambda: ex.score(forest))
         row["score_speedup"] = row["score_dense_s"] / row["score_tree_s"]
         row["score_achieved_over_ideal_token"] = row["score_speedup"] / row["ideal_token_ratio"]
@@ -119,17 +123,26 @@ def isolated_rss(name: str, P: int, G: int, method: str, args) -> dict:
     """Run one method in a fresh process: its peak RSS is not hidden by memory an earlier method
     left in this process's allocator."""
     cmd = [
-        sys.executable, __file__, "--one", f"{name}:{P}:{G}:{method}", "--R", str(args.R),
-        "--block-size", str(args.block_size), "--dense-tokens", str(args.dense_tokens),
+        sys.executable,
+        "-m",
+        "benchmarks.tree_training",
+        "--one",
+        f"{name}:{P}:{G}:{method}",
+        "--R",
+        str(args.R),
+        "--block-size",
+        str(args.block_size),
+        "--dense-tokens",
+        str(args.dense_tokens),
     ]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-    return json.loads(out)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def one(spec: str, args) -> None:
     name, P, G, method = spec.split(":")
     P, G = int(P), int(G)
-    model = make_llama(name)
+    model = llama(name)
     seqs, sf, coefs = grpo_batch(P, G, args.R, model.config.vocab_size)
     forest = PrefixForest.build(seqs, sf)
     import psutil
@@ -155,10 +168,14 @@ def main() -> None:
     ap.add_argument("--dense-tokens", type=int, default=16384, help="tokens per dense micro-batch")
     ap.add_argument("--no-score", dest="score", action="store_false", help="skip the scoring comparison")
     ap.add_argument("--score-only", action="store_true", help="only the scoring comparison")
-    ap.add_argument("--skip", default="", help="semicolon list of model:P:G:method to skip, e.g. small:8192:8:dense")
+    ap.add_argument(
+        "--skip", default="", help="semicolon list of model:P:G:method to skip, e.g. small:8192:8:dense"
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the executor follows the model's device)")
-    ap.add_argument("--isolate", action="store_true", help="also measure each method's peak RSS in its own process")
+    ap.add_argument(
+        "--isolate", action="store_true", help="also measure each method's peak RSS in its own process"
+    )
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -168,7 +185,7 @@ def main() -> None:
     skip = {tuple(s.split(":")) for s in args.skip.split(";") if s}
     rows = []
     for name in args.models.split(","):
-        model = make_llama(name).to(args.device)
+        model = llama(name).to(args.device)
         # Warm-up (allocator, kernels, lazy imports), so the first timed method is not penalised.
         w_seqs, w_sf, w_coefs = grpo_batch(64, 2, 16, model.config.vocab_size)
         dense_step(model, w_seqs, w_sf, w_coefs, args.dense_tokens, grad=True)

@@ -8,9 +8,9 @@ rollout, rewards, advantages, forward, backward) on the same prompts, alternatin
 step by step so that machine-load drift hits both alike. Reported: the median seconds per
 optimizer step after one warm-up, and how far the tree's gradient is from stock TRL's.
 
-    .venv/bin/python benchmarks/trl_step.py                      # small model, P=2048, G=8, R=256
-    .venv/bin/python benchmarks/trl_step.py --model tiny --P 512 --steps 2
-    .venv/bin/python benchmarks/trl_step.py --gradient-checkpointing   # both with TRL's default checkpointing
+    .venv/bin/python -m benchmarks.trl_step                      # small model, P=2048, G=8, R=256
+    .venv/bin/python -m benchmarks.trl_step --model tiny --P 512 --steps 2
+    .venv/bin/python -m benchmarks.trl_step --gradient-checkpointing   # both with TRL's default checkpointing
 """
 
 from __future__ import annotations
@@ -26,20 +26,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MODELS, machine, make_llama, print_table  # noqa: E402
+from benchmarks.common import machine, print_table
+from forkrl.core.testing.models import SIZES, llama, word_tokenizer
 
-
-def word_tokenizer(vocab: int):
-    """A word-level tokenizer over ids ``t0..t{vocab-3}`` plus <pad> and <eos> (decoding only)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    table = {f"t{i}": i for i in range(vocab - 2)}
-    table["<pad>"], table["<eos>"] = vocab - 2, vocab - 1
-    tok = Tokenizer(models.WordLevel(vocab=table, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+# SIZES' "micro" is prefix_grouper_compare's smoke-test size; the choices here stay tiny and small.
+MODEL_CHOICES = [name for name in SIZES if name != "micro"]
 
 
 def rollouts(P: int, R: int, vocab: int, eos: int):
@@ -68,7 +59,7 @@ def make_trainer(method: str, args, model_dir: str, tok, out: Path):
 
     from forkrl.plugins import trl as ftrl
 
-    vocab = MODELS[args.model][5]
+    vocab = SIZES[args.model][5]
     common = dict(
         output_dir=str(out / method),
         use_cpu=args.device == "cpu",
@@ -114,9 +105,9 @@ def optimizer_step_work(trainer, batch) -> tuple[float, dict[str, torch.Tensor]]
     return seconds, grads
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="small", choices=list(MODELS))
+    ap.add_argument("--model", default="small", choices=MODEL_CHOICES)
     ap.add_argument("--P", type=int, default=2048, help="prompt tokens")
     ap.add_argument("--G", type=int, default=8, help="completions per prompt")
     ap.add_argument("--R", type=int, default=256, help="completion tokens")
@@ -131,15 +122,19 @@ def main() -> None:
     args = ap.parse_args()
     if (args.G * args.groups) % args.micro_batch:
         ap.error("G * groups must be a multiple of --micro-batch")
+    return args
 
-    tok = word_tokenizer(MODELS[args.model][5])
-    methods = args.methods.split(",")
+
+def run(args, tok, methods: list[str]):
+    """Build every trainer from the same saved weights and time ``--steps`` optimizer steps each
+    (after one warm-up), methods alternating. Returns (seconds per method, last gradients per
+    method, the tree's compression or None)."""
     times: dict[str, list[float]] = {m: [] for m in methods}
     grads: dict[str, dict[str, torch.Tensor]] = {}
     compression = None
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        model = make_llama(args.model, max_pos=max(4096, args.P + args.R))
+        model = llama(args.model, max_pos=max(4096, args.P + args.R))
         for cfg in (model.config, model.generation_config):
             cfg.pad_token_id, cfg.eos_token_id = tok.pad_token_id, tok.eos_token_id
         model.save_pretrained(out / "model")
@@ -157,6 +152,11 @@ def main() -> None:
                 grads[m] = g
         if "tree" in trainers:
             compression = trainers["tree"]._metrics["train"]["tree/compression"][-1]
+    return times, grads, compression
+
+
+def summarize(methods: list[str], times, grads, compression):
+    """Table rows per method, and (speedup of tree over stock, gradient agreement), None without both."""
     rows = []
     for m in methods:
         rows.append(
@@ -177,6 +177,10 @@ def main() -> None:
             r["speedup"] = statistics.median(times["stock"]) / r["step_s"]
             if r["method"] == "tree":
                 r["compression"] = compression
+    return rows, speedup, agreement
+
+
+def report(args, rows, times, speedup, agreement) -> None:
     print(
         f"TRL GRPO training phase per optimizer step: model={args.model} P={args.P} G={args.G} R={args.R} "
         f"groups/step={args.groups} micro-batch={args.micro_batch} gradient_checkpointing={args.gradient_checkpointing}"
@@ -212,6 +216,15 @@ def main() -> None:
             }
         )
     )
+
+
+def main() -> None:
+    args = parse_args()
+    tok = word_tokenizer(SIZES[args.model][5])
+    methods = args.methods.split(",")
+    times, grads, compression = run(args, tok, methods)
+    rows, speedup, agreement = summarize(methods, times, grads, compression)
+    report(args, rows, times, speedup, agreement)
 
 
 if __name__ == "__main__":

@@ -212,12 +212,13 @@ class TreeExecutor:
         """The device the model's LM head lives on (where results are returned)."""
         return self.adapter.head.weight.device
 
-    # ------------------------------------------------------------------ internals
     @property
-    def _dtype(self) -> torch.dtype:
+    def dtype(self) -> torch.dtype:
+        """The dtype of the values it returns: the model's for float32/float64, float32 for half types."""
         dt = self.adapter.head.weight.dtype
         return dt if dt in (torch.float32, torch.float64) else torch.float32
 
+    # ------------------------------------------------------------------ internals
     def _static(self, forest, grad_logprobs, grad_entropies) -> StaticCoefficients:
         coefs = []
         for name, values in (("grad_logprobs", grad_logprobs), ("grad_entropies", grad_entropies)):
@@ -233,7 +234,7 @@ class TreeExecutor:
                     f"{name} contains NaN or inf (e.g. a NaN advantage): fix the rewards/advantages before the "
                     "backward pass; nothing was accumulated"
                 )
-            coefs.append(c.to(self._dtype))
+            coefs.append(c.to(self.dtype))
         return StaticCoefficients(coefs[0], coefs[1])
 
     def _check_forest(self, forest: PrefixForest) -> None:
@@ -267,7 +268,7 @@ class TreeExecutor:
     def _run(
         self, forest: PrefixForest, grad: bool, entropy: bool, coef: CoefficientFn | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        lp = torch.zeros(forest.num_entries, dtype=self._dtype, device=self.device)
+        lp = torch.zeros(forest.num_entries, dtype=self.dtype, device=self.device)
         ent = torch.zeros_like(lp) if entropy else None
         head = ScoredHead(self.adapter, self.temperature, self.head_chunk_elems, lp, ent, coef)
         with self.adapter.checkpointing_off() as was_on:

@@ -168,7 +168,7 @@ def backward_window(
         )
     quiet = quiet or contextlib.nullcontext
     device = torch.device(device) if device is not None else executor.device
-    dtype = executor._dtype
+    dtype = executor.dtype
     if loss_gradient == "token_local":
         return _token_local(executor, forest, window, loss_fn, entropy, quiet, fill, device)
     if loss_gradient == "constant":

@@ -3,7 +3,7 @@
 - :func:`tiny_causal_lm`: the test zoo, one tiny model per architecture forkrl supports
   (:data:`ZOO`): MHA/GQA/MQA Llama, Qwen2, Qwen3 (q/k norms), Mistral with a sliding window,
   Gemma 2 (logit softcapping, eager), LFM2 (conv + attention), Qwen3-Next (linear attention + MoE).
-- :func:`llama`: the benchmark sizes (:data:`SIZES`, "tiny" and "small").
+- :func:`llama`: the benchmark sizes (:data:`SIZES`: "tiny", "small", and "micro" for smoke runs).
 - :func:`byte_tokenizer`, :func:`word_tokenizer`, :func:`byte_llama`, :func:`save_pretrained`:
   what a host trainer needs to load a model by path (TRL's ``GRPOTrainer(model=path)``).
 - :func:`dense_logprobs`, :func:`grads`, :func:`max_rel_err`: the plain computation exactness
@@ -125,6 +125,7 @@ def tiny_causal_lm(
 SIZES = {
     "tiny": (128, 4, 4, 4, 344, 32000),
     "small": (512, 8, 8, 8, 1376, 32000),
+    "micro": (64, 2, 4, 2, 172, 1024),  # smoke tests only
 }
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..executor import ExecMode, TreeExecutor
+from ..executor import MODES, ExecMode, TreeExecutor
 from ..objective import LossGradient, Quiet, WindowLoss, WindowResult, backward_window
 from ..tree import PrefixForest, RowLayout, Window
 from .distributed import all_reduce_gradients, reduce_stats
@@ -37,7 +37,7 @@ from .options import TreeOptions
 __all__ = ["MODE_CODES", "StepMetrics", "StepResult", "TreeStep"]
 
 #: ``tree/mode`` is logged as a number (hosts average metrics): keep 0, replay 1, packed 2.
-MODE_CODES = {"keep": 0, "replay": 1, "packed": 2}
+MODE_CODES = {mode: i for i, mode in enumerate(MODES)}
 
 
 @dataclass

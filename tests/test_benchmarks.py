@@ -1,0 +1,56 @@
+"""The benchmarks keep running (``python -m benchmarks.NAME`` from the repo root) on tiny settings:
+each prints its table, then one line of JSON whose figures are sane. Timings are not asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(name: str, *args: str) -> dict:
+    cmd = [sys.executable, "-m", f"benchmarks.{name}", *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert any(line.startswith("|") for line in lines), out.stdout[-2000:]  # the table
+    return json.loads(lines[-1])
+
+
+def test_tree_training_benchmark():
+    res = _run("tree_training", "--models", "tiny", "--P", "128", "--G", "2", "--R", "16")
+    (row,) = res["rows"]
+    assert res["benchmark"] == "tree_training" and row["ideal_token_ratio"] == 1.8
+    for method in ("dense", "keep", "replay", "packed"):
+        assert row[f"{method}_s"] > 0 and row[f"{method}_saved_mb"] > 0
+
+
+def test_long_context_benchmark():
+    res = _run(
+        "long_context",
+        "--P",
+        "1024",
+        "--G",
+        "2",
+        "--R",
+        "32",
+        "--methods",
+        "exact,none",
+        "--block-size",
+        "256",
+    )
+    assert res["benchmark"] == "long_context"
+    assert [r["method"] for r in res["rows"]] == ["exact", "none"] and not any(
+        r.get("failed") for r in res["rows"]
+    )
+
+
+@pytest.mark.parametrize("extra", [[], ["--gradient-checkpointing"]], ids=["default", "checkpointing"])
+def test_trl_step_benchmark(extra):
+    res = _run("trl_step", "--model", "tiny", "--P", "64", "--R", "16", "--G", "4", "--steps", "1", *extra)
+    assert res["benchmark"] == "trl_step" and res["grad_agreement"] < 1e-4
