@@ -69,7 +69,9 @@ def _type_error(name: str, value: Any, base: Any) -> str | None:
         return None if isinstance(value, bool) else f"{name} must be True or False, got {value!r}"
     if base is int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
         return f"{name}={value!r} must be an integer (got {type(value).__name__})"
-    if base is float and (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)):
+    if base is float and (
+        isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+    ):
         return f"{name}={value!r} must be a finite number"
     return None
 
@@ -79,7 +81,9 @@ def _check_value(name: str, value: Any, tp: Any, minimum: float | None) -> None:
     if value is None:
         if optional:
             return
-        raise ValueError(f"{name}=None is not allowed: give a value of type {getattr(base, '__name__', base)}")
+        raise ValueError(
+            f"{name}=None is not allowed: give a value of type {getattr(base, '__name__', base)}"
+        )
     problem = _type_error(name, value, base)
     if problem is None and minimum is not None and value < minimum:
         problem = f"{name}={value!r} must be >= {minimum}"

@@ -34,7 +34,7 @@ import torch
 from ..executor import ScoreResult, TreeExecutor
 from ..tree import PrefixForest, RowLayout, Window
 from .token_local import TokenLocalCoefficients
-from .window import Quiet, WindowLoss, gradient, probe_points
+from .window import Quiet, WindowLoss, check_finite, gradient, probe_points
 from .window import evaluate as evaluate_losses
 
 logger = logging.getLogger(__name__)
@@ -90,23 +90,6 @@ class WindowResult:
         return torch.stack(self.losses).sum()
 
 
-def _check_finite(
-    losses: list[torch.Tensor], g_lp: list[torch.Tensor], g_ent: list[torch.Tensor] | None
-) -> None:
-    total = torch.stack(losses).sum()
-    if not torch.isfinite(total):
-        raise ValueError(
-            f"the loss is {total.item()} (NaN/inf) on these rollouts (e.g. NaN rewards or advantages, a mean over no "
-            "scored token): fix the inputs; nothing was accumulated"
-        )
-    for name, grads in (("logprobs", g_lp), ("entropies", g_ent or [])):
-        if any(not torch.isfinite(g).all() for g in grads):
-            raise ValueError(
-                f"the loss gradient with respect to {name} is NaN/inf for some tokens (e.g. NaN advantages): fix the "
-                "inputs; nothing was accumulated"
-            )
-
-
 def _nonzero(grads: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
     """None when every gradient is zero (the pass then skips the entropy backward)."""
     return grads if grads is not None and any(bool(g.any()) for g in grads) else None
@@ -122,7 +105,7 @@ def _constant_gradient(window, loss_fn, entropy, quiet, dtype, device):
     pairs = list(zip(lp0, lp1, strict=True)) + list(zip(ent0 or [], ent1 or [], strict=True))
     if not all(torch.equal(a, b) for a, b in pairs):
         return None
-    _check_finite(loss0, lp0, ent0)
+    check_finite(loss0, lp0, ent0)
     return lp0, _nonzero(ent0)
 
 
@@ -182,7 +165,7 @@ def backward_window(
     lp = [t.to(device) for t in window.flat(res.logprobs)]
     ent = [t.to(device) for t in window.flat(res.entropies)] if entropy else None
     losses, g_lp, g_ent = gradient(window, loss_fn, lp, ent)
-    _check_finite(losses, g_lp, g_ent)
+    check_finite(losses, g_lp, g_ent)
     g_ent = _nonzero(g_ent)
     start = time.perf_counter()
     executor.backward(

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from ..tree import PrefixForest, Window
-from .window import Quiet, WindowLoss, gradient
+from .window import Quiet, WindowLoss, check_finite, gradient
 
 __all__ = ["TokenLocalCoefficients"]
 
@@ -93,19 +93,7 @@ class TokenLocalCoefficients:
         fill values catches NaN advantages, a NaN constant term or a mean over no tokens.
         """
         ent = [torch.zeros(n, dtype=self.dtype) for n in self.sizes] if self.entropy else None
-        losses, g_lp, g_ent = self._gradient(self.values(), ent, device)
-        total = torch.stack(losses).sum()
-        if not torch.isfinite(total):
-            raise ValueError(
-                f"the loss is {total.item()} (NaN/inf) on these rollouts (e.g. NaN rewards, a mean over no scored "
-                "token): fix the inputs; nothing was accumulated"
-            )
-        for name, grads in (("logprobs", g_lp), ("entropies", g_ent or [])):
-            if any(not torch.isfinite(g).all() for g in grads):
-                raise ValueError(
-                    f"the loss gradient with respect to {name} is NaN/inf for some tokens (e.g. NaN advantages or "
-                    "rewards): fix the inputs; nothing was accumulated"
-                )
+        check_finite(*self._gradient(self.values(), ent, device))
 
     def __call__(
         self, ids: torch.Tensor, logprobs: torch.Tensor, entropies: torch.Tensor | None

@@ -16,7 +16,7 @@ import torch
 
 from ..tree import Window
 
-__all__ = ["Quiet", "WindowLoss", "evaluate", "gradient", "probe_points"]
+__all__ = ["Quiet", "WindowLoss", "check_finite", "evaluate", "gradient", "probe_points"]
 
 # loss_fn(i, logprobs, entropies) -> scalar: micro-batch i's loss on tensors in its host layout
 # (entropies None unless asked for), scaled as the host scales it before backward.
@@ -99,3 +99,21 @@ def probe_points(window: Window, dtype: torch.dtype, device: torch.device) -> li
             ents.append(-value * (1.0 + 0.02 * ramp))
         points.append((lps, ents))
     return points
+
+
+def check_finite(
+    losses: list[torch.Tensor], g_lp: list[torch.Tensor], g_ent: list[torch.Tensor] | None
+) -> None:
+    """Raise, before anything is accumulated, when the loss or its gradient is not finite."""
+    total = torch.stack(losses).sum()
+    if not torch.isfinite(total):
+        raise ValueError(
+            f"the loss is {total.item()} (NaN/inf) on these rollouts (e.g. NaN rewards or advantages, a mean over no "
+            "scored token): fix the inputs; nothing was accumulated"
+        )
+    for name, grads in (("logprobs", g_lp), ("entropies", g_ent or [])):
+        if any(not torch.isfinite(g).all() for g in grads):
+            raise ValueError(
+                f"the loss gradient with respect to {name} is NaN/inf for some tokens (e.g. NaN advantages): fix the "
+                "inputs; nothing was accumulated"
+            )
