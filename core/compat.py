@@ -36,15 +36,22 @@ __all__ = [
     "Private",
     "attention_implementation",
     "checkpointing_off",
+    "fsdp2_param_dtype",
+    "fsdp2_plain_class",
+    "full_tensor",
     "conv_past",
+    "dtensor_mesh",
     "flash_cpu",
     "flash_cpu_backward",
     "init_cache",
     "int4_mm",
     "int4_pack",
     "int8_mm",
+    "is_dtensor",
+    "is_fsdp2_module",
     "mark_initialized",
     "record_past",
+    "reduce_scatter_like",
     "register_attention",
     "replace_layers",
     "seed_layer",
@@ -52,6 +59,7 @@ __all__ = [
     "seed_state_layer",
     "set_attention_implementation",
     "set_experts_implementation",
+    "set_tensor",
     "store_conv_state",
     "store_recurrent_state",
 ]
@@ -381,3 +389,80 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int, sz: torch.Te
 def int8_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x [M, K] @ (qweight * scales[:, None]).T`` for int8 ``[N, K]`` weights."""
     return torch.ops.aten._weight_int8pack_mm(x, qweight, scales)
+
+
+# ---------------------------------------------------------------------------- FSDP2 (torch.distributed)
+
+
+@_private(
+    "torch.distributed.fsdp FSDPModule class layout and FSDPState._mp_policy",
+    "fully_shard makes FSDP<Cls>(FSDPModule, Cls) classes; the tree step builds a plain Cls replica from the "
+    "config and runs it in the param_dtype of the root's mixed-precision policy, as FSDP2's forward does",
+)
+def _check_fsdp2() -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    assert hasattr(FSDPModule, "_get_fsdp_state") and hasattr(FSDPModule, "unshard")
+
+
+def is_fsdp2_module(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to ``module``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def fsdp2_plain_class(module: nn.Module) -> type | None:
+    """The class ``fully_shard`` wrapped (``FSDPLlamaForCausalLM`` -> ``LlamaForCausalLM``), or None."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        return None
+    return next(c for c in type(module).__mro__[1:] if not issubclass(c, FSDPModule) and c is not object)
+
+
+def fsdp2_param_dtype(module: nn.Module) -> torch.dtype | None:
+    """The forward dtype of the root's mixed-precision policy (None: the parameters' own)."""
+    state = module._get_fsdp_state()
+    policy = getattr(state, "_mp_policy", None)
+    return getattr(policy, "param_dtype", None)
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def dtensor_mesh(t: torch.Tensor):
+    return t.device_mesh
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole value of a (possibly sharded) parameter: an all-gather for a DTensor."""
+    return t.full_tensor() if is_dtensor(t) else t
+
+
+def reduce_scatter_like(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """Sum the full ``grad`` of every rank and keep this rank's shard, in ``param``'s placement."""
+    if not is_dtensor(param):
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(grad)
+        return grad
+    from torch.distributed.tensor import DTensor, Partial
+
+    mesh = param.device_mesh
+    partial = DTensor.from_local(grad, mesh, [Partial()] * mesh.ndim, run_check=False)
+    return partial.redistribute(mesh, param.placements)
+
+
+def set_tensor(module: nn.Module, name: str, value: torch.Tensor, parameter: bool) -> None:
+    """Put ``value`` at dotted ``name`` as a parameter or a buffer (replacing what is there)."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    if parameter:
+        owner._parameters[leaf] = value
+    else:
+        owner._buffers[leaf] = value

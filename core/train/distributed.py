@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce_gradients", "world_size"]
+__all__ = ["all_ok", "all_reduce_gradients", "world_size"]
 
 
 def world_size(group=None) -> int:
@@ -64,3 +64,13 @@ def reduce_stats(
     dist.all_reduce(s, group=group)
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
     return s.tolist(), m.tolist()
+
+
+def all_ok(ok: bool, device: torch.device, group=None) -> bool:
+    """Whether every rank of ``group`` is ``ok`` (so that a rank that failed before a collective
+    makes every rank stop there, instead of leaving the others waiting in it)."""
+    if world_size(group) == 1:
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())

@@ -20,6 +20,7 @@ sink. Everything else is here, once:
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from collections.abc import Sequence
@@ -31,8 +32,9 @@ from torch import nn
 from ..executor import MODES, ExecMode, TreeExecutor
 from ..objective import LossGradient, Quiet, WindowLoss, WindowResult, backward_window
 from ..tree import PrefixForest, RowLayout, Window
-from .distributed import all_reduce_gradients, reduce_stats
+from .distributed import all_ok, all_reduce_gradients, reduce_stats
 from .options import TreeOptions
+from .sharded import FSDP2Replica, is_fsdp2
 
 __all__ = ["MODE_CODES", "StepMetrics", "StepResult", "TreeStep"]
 
@@ -118,6 +120,7 @@ class TreeStep:
         self.temperature = temperature
         self.executor_kwargs = executor_kwargs
         self._executors: dict[tuple[int, str], tuple[weakref.ref, TreeExecutor]] = {}
+        self._replicas: dict[int, FSDP2Replica] = {}
         self.fused_ok = True
         self._score_time = 0.0
 
@@ -134,9 +137,39 @@ class TreeStep:
 
     def check_model(self, model: nn.Module) -> None:
         """Raise :class:`~forkrl.core.UnsupportedModelError` now for a model no tree can run."""
-        self.executor(model, "replay" if self.options.long_context_replay else "keep")
+        replica = self._replica(model)
+        target = replica.replica if replica is not None else model
+        self.executor(target, self.score_mode)
         if self.options.tree_mode == "packed":
-            self.executor(model, "packed")
+            self.executor(target, "packed")
+
+    def _replica(self, model: nn.Module) -> FSDP2Replica | None:
+        """The gathered replica of an FSDP2-sharded model (built once), or None for a plain one."""
+        if not is_fsdp2(model):
+            return None
+        entry = self._replicas.get(id(model))
+        if entry is None or entry.model is not model:
+            entry = self._replicas[id(model)] = FSDP2Replica(model)
+        return entry
+
+    @staticmethod
+    def _agreed(run, device: torch.device, group, collective: bool, consequence: str = ""):
+        """``run()``, with a failure on any rank raised on every rank before the gradient
+        collectives that follow (no rank is left waiting in them)."""
+        if not collective:
+            return run()
+        try:
+            result, error = run(), None
+        except (ValueError, TypeError, RuntimeError) as err:
+            result, error = None, err
+        if not all_ok(error is None, device, group):
+            if error is not None:
+                raise error
+            raise RuntimeError(
+                "another data-parallel rank stopped this step before the gradients were reduced (see that rank's "
+                f"error); {consequence}"
+            )
+        return result
 
     @property
     def score_mode(self) -> ExecMode:
@@ -152,8 +185,11 @@ class TreeStep:
             Tensors of ``layout.shape`` on the model's device, zeros at unscored slots.
         """
         start = time.perf_counter()
-        executor = self.executor(model, self.score_mode)
-        res = executor.score(PrefixForest.build(layout.sequences, layout.score_from), entropy=entropy)
+        forest = PrefixForest.build(layout.sequences, layout.score_from)
+        replica = self._replica(model)
+        with replica.gathered(grad=False) if replica is not None else contextlib.nullcontext(model) as target:
+            executor = self.executor(target, self.score_mode)
+            res = executor.score(forest, entropy=entropy)
         lp = layout.to_host(_flat(res.logprobs, executor))
         ent = layout.to_host(_flat(res.entropies, executor)) if entropy else None
         self._score_time += time.perf_counter() - start
@@ -194,14 +230,26 @@ class TreeStep:
         window = window if isinstance(window, Window) else Window(window)
         forest = window.forest()
         mode = self.options.mode_for(max(forest.lengths), gradient_checkpointing)
-        executor = self.executor(model, mode)
         path = "general" if loss_gradient == "constant" and not self.fused_ok else loss_gradient
-        res = backward_window(
-            executor, forest, window, loss_fn, path, entropy=entropy, quiet=quiet, device=device
-        )
+        replica = self._replica(model)
+        # Under FSDP2 the step runs on a gathered plain replica, which reduces its gradients on exit.
+        with replica.gathered(grad=True) if replica is not None else contextlib.nullcontext(model) as target:
+            executor = self.executor(target, mode)
+            res = self._agreed(
+                lambda: backward_window(
+                    executor, forest, window, loss_fn, path, entropy=entropy, quiet=quiet, device=device
+                ),
+                executor.device,
+                process_group,
+                collective=replica is not None or data_parallel,
+                consequence="the model's sharded gradients are unchanged on every rank"
+                if replica is not None
+                else "this rank's param.grad holds its own part of the step, not reduced: zero the gradients "
+                "before retrying",
+            )
         if path == "constant" and res.path != "constant":
             self.fused_ok = False
-        if data_parallel:
+        if data_parallel and replica is None:
             all_reduce_gradients(model.parameters(), group=process_group)
         score_time, self._score_time = self._score_time + res.score_time, 0.0
         metrics = StepMetrics(forest.unique_tokens, forest.dense_tokens, mode, res.backward_time, score_time)

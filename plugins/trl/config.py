@@ -49,11 +49,16 @@ class ForkrlOptions(TreeOptions, SpeculativeOptions):
                 "tree_packing/long_context_replay do not support fp16 loss scaling (fp16=True): use bf16=True, or turn "
                 "tree training off"
             )
-        if self.deepspeed or self.fsdp:
-            engine = "DeepSpeed" if self.deepspeed else "FSDP"
+        if self.deepspeed:
             raise ValueError(
-                f"tree_packing/long_context_replay with {engine} is not supported yet (the tree pass computes gradients "
-                "outside the engine's hooks): use plain data parallel (accelerate launch, DDP), or turn tree training off"
+                "tree_packing/long_context_replay with DeepSpeed is not supported yet (the tree pass computes gradients "
+                "outside the engine's hooks): use FSDP2 (fsdp=True, fsdp_config={'version': 2, ...}) or plain data "
+                "parallel (accelerate launch, DDP), or turn tree training off"
+            )
+        if self.fsdp and (self.fsdp_config or {}).get("version", 1) != 2:
+            raise ValueError(
+                "tree_packing/long_context_replay support FSDP2 only: set fsdp_config={'version': 2, ...} (FSDP1 wraps "
+                "the model in a way the tree step cannot gather once per step), or turn tree training off"
             )
 
     def _validate_speculative_host(self) -> None:

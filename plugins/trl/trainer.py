@@ -34,7 +34,7 @@ from trl import RLOOTrainer as _TRLRLOOTrainer
 
 from forkrl.core import RowLayout, TreeStep, UnsupportedModelError
 from forkrl.core.speculative import SelfSpeculativeRollout
-from forkrl.core.train import StepMetrics
+from forkrl.core.train import StepMetrics, is_fsdp2
 
 from . import compat
 from .config import FORKRL_FIELDS, GRPOConfig, RLOOConfig
@@ -122,18 +122,20 @@ class TreeTrainingMixin:
                 "tree_packing does not support torch.nn.DataParallel (n_gpu > 1): launch one process per device "
                 "with `accelerate launch` (DDP)"
             )
-        # What the trainer actually built (an accelerate config file can choose FSDP/DeepSpeed without args.fsdp).
-        fsdp, deepspeed = (
-            getattr(self, "is_fsdp_enabled", False),
-            getattr(self, "is_deepspeed_enabled", False),
-        )
-        engine = "FSDP" if fsdp else "DeepSpeed" if deepspeed else None
-        if engine:
-            raise ValueError(
-                f"tree_packing/long_context_replay with {engine} (chosen in your accelerate config) is not supported yet: "
-                "use plain data parallel (DDP), or turn tree training off"
-            )
         model = self.accelerator.unwrap_model(self.model)
+        # What the trainer actually built (an accelerate config file can choose an engine without args.fsdp).
+        if getattr(self, "is_deepspeed_enabled", False):
+            raise ValueError(
+                "tree_packing/long_context_replay with DeepSpeed (chosen in your accelerate config) is not supported "
+                "yet: use FSDP2 or plain data parallel (DDP), or turn tree training off"
+            )
+        if getattr(self, "is_fsdp_enabled", False) and not (
+            is_fsdp2(model) or getattr(self.accelerator, "is_fsdp2", False)
+        ):
+            raise ValueError(
+                "tree_packing/long_context_replay support FSDP2 only, and this trainer built FSDP1: set fsdp_version: 2 "
+                "in your accelerate config (or fsdp_config={'version': 2, ...}), or turn tree training off"
+            )
         try:
             self._tree_step.check_model(model)
         except UnsupportedModelError as err:

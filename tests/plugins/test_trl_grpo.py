@@ -268,6 +268,7 @@ def test_data_parallel_two_processes_equals_one(model_path, init, tmp_path):
             sys.executable,
             "-m",
             "torch.distributed.run",
+            "--standalone",
             "--nproc_per_node",
             "2",
             str(script),

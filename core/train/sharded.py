@@ -1,0 +1,125 @@
+"""Tree steps under a sharded engine: gather once, run the tree on a plain replica, reduce once.
+
+A sharded engine (PyTorch FSDP2's ``fully_shard``) all-gathers each layer's parameters in every
+forward and reduce-scatters its gradients in backward, through hooks that every rank must run in
+the same order. The tree executor runs as many forwards and backwards per step as its forest has
+units, and ranks hold different forests, so driving those hooks unit by unit would issue different
+collective sequences on different ranks (a hang, or layers mixed up).
+
+Here the engine's hooks are not used at all during a tree step. Every rank:
+
+1. all-gathers every parameter once, in the module's parameter order (the same on every rank),
+   into a plain replica of the model (built once on the meta device, its parameters assigned per
+   step, its buffers copied from the model);
+2. runs the whole tree step on the replica (any number of units: no collective runs inside);
+3. reduce-scatters each parameter's gradient once into the engine's sharded gradient (average over
+   ranks, as FSDP2 does), and frees the replica's parameters.
+
+Collectives per optimizer step: one all-gather and one reduce-scatter of the model, the same on
+every rank whatever its forest (stock FSDP2 with ``reshard_after_forward=True`` all-gathers twice per
+micro-batch and reduce-scatters once per micro-batch, or once per step under gradient accumulation
+without sync). Memory: the full parameters and full gradients for the duration of the step, as
+data-parallel training holds them; the sharded optimizer state stays sharded. Models too large for
+that are refused by the memory itself (an out-of-memory error), not silently changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from .. import compat
+from .distributed import world_size
+
+__all__ = ["FSDP2Replica", "is_fsdp2"]
+
+
+def is_fsdp2(model: nn.Module) -> bool:
+    """Whether ``model`` (or a module in it) is sharded with FSDP2's ``fully_shard``."""
+    return any(compat.is_fsdp2_module(m) for m in model.modules())
+
+
+class FSDP2Replica:
+    """A plain copy of an FSDP2-sharded model, its parameters gathered per step.
+
+    Args:
+        model: the FSDP2 root module (a transformers causal LM after ``fully_shard``).
+
+    Raises:
+        UnsupportedModelError: for a model that is not an FSDP2-sharded transformers model, or
+            whose parameters are not all sharded on one mesh.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        from ..errors import UnsupportedModelError
+
+        self.model = model
+        plain = compat.fsdp2_plain_class(model)
+        config = getattr(model, "config", None)
+        if plain is None or config is None:
+            raise UnsupportedModelError(
+                f"tree training under FSDP2 needs the FSDP2 root to be a transformers causal LM (fully_shard applied "
+                f"to the model itself); got {type(model).__name__}: shard the whole model, or train without tree_packing"
+            )
+        self.params = dict(model.named_parameters())
+        meshes = {compat.dtensor_mesh(p) for p in self.params.values() if compat.is_dtensor(p)}
+        if len(meshes) > 1:
+            raise UnsupportedModelError(
+                "tree training under FSDP2 supports one device mesh (plain data-parallel sharding); this model's "
+                "parameters live on several: train without tree_packing"
+            )
+        self.param_dtype = compat.fsdp2_param_dtype(model)
+        with torch.device("meta"):
+            self.replica = plain(config)
+        self.replica.train(model.training)
+        for name, buf in model.named_buffers():
+            compat.set_tensor(self.replica, name, buf.detach().clone(), parameter=False)
+        self._release()
+
+    @contextmanager
+    def gathered(self, grad: bool) -> Iterator[nn.Module]:
+        """The replica holding the full parameters (one all-gather each); with ``grad``, its
+        gradients are reduce-scattered into the model's sharded gradients on exit."""
+        self._gather(grad)
+        try:
+            yield self.replica
+            if grad:
+                self._reduce()
+        finally:
+            self._release()
+
+    # ------------------------------------------------------------------ collectives
+    def _gather(self, grad: bool) -> None:
+        self.replica.train(self.model.training)
+        for name, p in self.params.items():
+            full = compat.full_tensor(p).detach()
+            if self.param_dtype is not None and full.is_floating_point():
+                full = full.to(self.param_dtype)
+            leaf = nn.Parameter(full, requires_grad=grad and p.requires_grad)
+            compat.set_tensor(self.replica, name, leaf, parameter=True)
+        self._tie()
+
+    def _reduce(self) -> None:
+        world = world_size()
+        for name, p in self.params.items():
+            if not p.requires_grad:
+                continue
+            g = self.replica.get_parameter(name).grad
+            g = torch.zeros_like(self.replica.get_parameter(name)) if g is None else g
+            g = g.to(p.dtype) / world  # FSDP2 averages over ranks
+            shard = compat.reduce_scatter_like(g, p)
+            p.grad = shard if p.grad is None else p.grad + shard
+
+    def _release(self) -> None:
+        """Drop the full parameters (the replica keeps meta placeholders between steps)."""
+        for name, p in self.params.items():
+            placeholder = nn.Parameter(torch.empty(p.shape, dtype=self.param_dtype or p.dtype, device="meta"))
+            compat.set_tensor(self.replica, name, placeholder, parameter=True)
+        self._tie()
+
+    def _tie(self) -> None:
+        if getattr(self.replica.config, "tie_word_embeddings", False):
+            self.replica.tie_weights()
