@@ -184,16 +184,32 @@ class TreeStep:
         Returns:
             Tensors of ``layout.shape`` on the model's device, zeros at unscored slots.
         """
+        return self.score_window(model, [layout], entropy)[0]
+
+    def score_window(
+        self, model: nn.Module, window: Window | Sequence[RowLayout], entropy: bool = False
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """:meth:`score` for several micro-batches at once: one forest over all their rows, so
+        prefixes shared across micro-batches are computed once too.
+
+        Returns:
+            Per micro-batch, its log-probs and entropies (or None) in its layout's shape.
+        """
         start = time.perf_counter()
-        forest = PrefixForest.build(layout.sequences, layout.score_from)
+        window = window if isinstance(window, Window) else Window(window)
+        forest = window.forest()
         replica = self._replica(model)
         with replica.gathered(grad=False) if replica is not None else contextlib.nullcontext(model) as target:
             executor = self.executor(target, self.score_mode)
             res = executor.score(forest, entropy=entropy)
-        lp = layout.to_host(_flat(res.logprobs, executor))
-        ent = layout.to_host(_flat(res.entropies, executor)) if entropy else None
+            device = executor.device  # a replica's parameters are freed on exit
+        lps = window.flat(res.logprobs)
+        ents = window.flat(res.entropies) if entropy else [None] * len(window)
+        out = []
+        for lay, lp, ent in zip(window.layouts, lps, ents, strict=True):
+            out.append((lay.to_host(lp.to(device)), lay.to_host(ent.to(device)) if ent is not None else None))
         self._score_time += time.perf_counter() - start
-        return lp, ent
+        return out
 
     def train(
         self,
@@ -254,9 +270,3 @@ class TreeStep:
         score_time, self._score_time = self._score_time + res.score_time, 0.0
         metrics = StepMetrics(forest.unique_tokens, forest.dense_tokens, mode, res.backward_time, score_time)
         return StepResult(res.losses, metrics, forest, res)
-
-
-def _flat(per_sequence: list[torch.Tensor], executor: TreeExecutor) -> torch.Tensor:
-    if not per_sequence:
-        return torch.zeros(0, device=executor.device)
-    return torch.cat(per_sequence)

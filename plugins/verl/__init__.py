@@ -1,1 +1,48 @@
-"""veRL plugin for forkrl (not yet implemented; a later issue)."""
+"""forkrl for veRL: tree training and prefix-shared scoring in veRL's FSDP2 engine, by one override YAML.
+
+    python -m verl.trainer.main_ppo --config-path "$(python -m forkrl.plugins.verl)" \
+        --config-name forkrl_tree <your usual overrides>
+
+- :mod:`.engine`: the FSDP2 engine subclass (backend ``fsdp2_tree``), ``forward_backward_batch``
+  over :class:`forkrl.core.train.TreeStep`.
+- :mod:`.config`: ``ForkrlFSDPActorConfig`` (``FSDPActorConfig`` plus a ``forkrl`` block).
+- :mod:`.compat`: every veRL private the plugin relies on, checked by the contract tests.
+- ``config/``: the override YAMLs (``forkrl_tree.yaml``, ``forkrl_long_context.yaml``).
+
+:func:`register` adds the engine to veRL's registry; veRL's worker processes call it through the
+``verl.plugins`` entry point (module :mod:`.autoload`), which logs one INFO line when active.
+
+Needs veRL (``pip install 'forkrl[verl]'``).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+__all__ = ["CONFIG_DIR", "register"]
+
+logger = logging.getLogger(__name__)
+
+#: The folder of forkrl's override YAMLs (pass it to veRL's --config-path).
+CONFIG_DIR = Path(__file__).resolve().parent / "config"
+
+_registered = False
+
+
+def register() -> None:
+    """Register forkrl's engine with veRL's ``EngineRegistry`` (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    try:
+        from verl.workers.engine.base import EngineRegistry
+    except ImportError as err:  # pragma: no cover - exercised only without veRL
+        raise ImportError("forkrl.plugins.verl needs veRL: pip install 'forkrl[verl]' (verl>=0.9.1)") from err
+    from .engine import BACKEND, TreeFSDPEngineWithLMHead
+
+    EngineRegistry.register(model_type="language_model", backend=BACKEND, device=["cuda", "npu"])(
+        TreeFSDPEngineWithLMHead
+    )
+    _registered = True
+    logger.info("forkrl: veRL plugin loaded; engine backend %r registered for language models", BACKEND)

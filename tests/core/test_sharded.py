@@ -28,6 +28,12 @@ from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err, tiny_
 case = sys.argv[1]
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
+
+def report(*lines):  # one writer: the ranks' prints would interleave
+    gathered = [None] * world
+    dist.all_gather_object(gathered, list(lines))
+    if rank == 0:
+        print("\n".join(line for part in gathered for line in part), flush=True)
 g = torch.Generator().manual_seed(100 + rank)
 rand = lambda n: torch.randint(0, 61, (n,), generator=g).tolist()
 if rank == 0:  # one group: a long prompt, completions that share openings
@@ -70,15 +76,14 @@ with Float64Mode():
         scored, _ = step.score(model, layout)
         res = step.train(model, [layout], loss_fn, loss_gradient="general")
     except (ValueError, RuntimeError) as err:
-        print(f"RANK {rank} RAISED {type(err).__name__}: {err}", flush=True)
         untouched = all(p.grad is None for p in model.parameters())
-        print(f"RANK {rank} UNTOUCHED {untouched}", flush=True)
+        report(f"RANK {rank} RAISED {type(err).__name__}: {err}", f"RANK {rank} UNTOUCHED {untouched}")
         sys.exit(0)
     got = [p.grad.full_tensor() for p in model.parameters()]
     err = max_rel_err(got, want)
     dense_scored = layout.to_host(torch.cat([t.detach() for t in lps]))
     score_err = (scored - dense_scored).abs().max().item()
-print(f"RANK {rank} GRAD_ERR {err:.3e} SCORE_ERR {score_err:.3e} UNITS {res.forest.num_sequences}", flush=True)
+report(f"RANK {rank} GRAD_ERR {err:.3e} SCORE_ERR {score_err:.3e} UNITS {res.forest.num_sequences}")
 """
 
 

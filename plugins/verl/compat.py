@@ -1,0 +1,207 @@
+"""Every veRL private the veRL plugin relies on, in one place.
+
+Each :class:`HostPrivate` names a function, method, field or layout fact of veRL the plugin uses,
+the version it was read from, and why; ``tests/plugins/verl/test_verl_contract.py`` checks every
+entry against the installed veRL, so an upgrade that changes one fails in one test with the
+entry's name. The accessors below are the plugin's only way into veRL's internals.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "CHECKED",
+    "PRIVATES",
+    "HostPrivate",
+    "check",
+    "global_batch_info",
+    "micro_batches",
+    "non_tensor",
+    "postprocess",
+    "prompt_lengths",
+]
+
+CHECKED = "verl 0.9.1 (transformers 5.10.4, tensordict 0.10.0)"
+
+
+@dataclass(frozen=True)
+class HostPrivate:
+    """One private of veRL: ``check()`` raises AssertionError (naming it) when it changed."""
+
+    name: str
+    why: str
+    check: Callable[[], None]
+
+
+def _params(fn) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def _engine_methods() -> None:
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine, FSDPEngineWithLMHead
+
+    assert _params(FSDPEngine.forward_backward_batch)[:4] == ["self", "data", "loss_function", "forward_only"]
+    assert _params(FSDPEngineWithLMHead.forward_step)[:4] == [
+        "self",
+        "micro_batch",
+        "loss_function",
+        "forward_only",
+    ]
+    src = inspect.getsource(FSDPEngine.forward_backward_batch)
+    for needle in (
+        "batch_num_tokens",
+        "dp_size",
+        "prepare_micro_batches",
+        "postprocess_batch_func",
+        "sp_size",
+    ):
+        assert needle in src, needle
+
+
+def _micro_batching() -> None:
+    from verl.workers.engine import utils
+
+    assert _params(utils.prepare_micro_batches)[:4] == [
+        "data",
+        "dp_group",
+        "num_batches_divided_by",
+        "same_micro_num_in_dp",
+    ]
+    assert _params(utils.postprocess_batch_func) == ["output_lst", "indices", "data"]
+
+
+def _output_layout() -> None:
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    src = inspect.getsource(FSDPEngineWithLMHead.prepare_model_outputs)
+    # log-probs and entropies are nested over whole sequences, rolled by one (position t scores token t + 1)
+    assert "nested_tensor_from_jagged(log_probs, cu_seqlens)" in src
+    assert "input_ids_rmpad_rolled" in src
+
+
+def _loss_slicing() -> None:
+    from verl.workers.utils import padding
+
+    src = inspect.getsource(padding.no_padding_2_padding)
+    assert "seq_offset - resp_len - 1 : seq_offset - 1" in src  # the response's scores, left-shifted by one
+
+
+def _actor_config() -> None:
+    from verl.workers.config import FSDPActorConfig
+
+    src = inspect.getsource(FSDPActorConfig.__post_init__)
+    assert 'object.__setattr__(self.engine, "strategy", self.strategy)' in src
+    assert "fsdp_config" in {f for f in FSDPActorConfig.__dataclass_fields__}
+
+
+def _registry() -> None:
+    from verl.workers.engine.base import EngineRegistry
+
+    assert _params(EngineRegistry.register)[:3] == ["model_type", "backend", "device"]
+
+
+def _tensordict_utils() -> None:
+    from verl.utils import tensordict_utils as tu
+
+    for name in ("get_non_tensor_data", "assign_non_tensor"):
+        assert callable(getattr(tu, name)), name
+
+
+PRIVATES: tuple[HostPrivate, ...] = (
+    HostPrivate(
+        "FSDPEngine.forward_backward_batch / FSDPEngineWithLMHead.forward_step",
+        "overridden (forward_backward_batch) and mirrored: the global token count, dp size and sp size it sets "
+        "before micro-batching feed veRL's loss normalisation",
+        _engine_methods,
+    ),
+    HostPrivate(
+        "engine.utils.prepare_micro_batches / postprocess_batch_func",
+        "the host's own micro-batch partition (fixed or dynamic) is kept, and its outputs reordered as stock",
+        _micro_batching,
+    ),
+    HostPrivate(
+        "prepare_model_outputs: nested log_probs/entropy over whole rows, rolled by one",
+        "the tree's scores are placed in the same layout (RowLayout.packed, align='next')",
+        _output_layout,
+    ),
+    HostPrivate(
+        "workers.utils.padding.no_padding_2_padding",
+        "veRL's loss reads the response's scores at [offset - resp_len - 1, offset - 1); prompt lengths come "
+        "from the same fields",
+        _loss_slicing,
+    ),
+    HostPrivate(
+        "FSDPActorConfig.__post_init__ copies actor.strategy onto engine_config",
+        "forkrl's config subclass names the engine backend after that copy (the actor keeps strategy fsdp2)",
+        _actor_config,
+    ),
+    HostPrivate(
+        "EngineRegistry.register", "forkrl's engine is registered under backend fsdp2_tree", _registry
+    ),
+    HostPrivate(
+        "verl.utils.tensordict_utils", "non-tensor batch fields (flags, normalisers)", _tensordict_utils
+    ),
+)
+
+
+def check(private: HostPrivate) -> None:
+    """Raise AssertionError naming the entry when the installed veRL no longer matches it."""
+    try:
+        private.check()
+    except Exception as err:  # noqa: BLE001 - any breakage names the entry
+        raise AssertionError(
+            f"veRL changed: {private.name} ({private.why}), checked against {CHECKED}: {err!r}"
+        ) from err
+
+
+# ---------------------------------------------------------------------------- accessors
+
+
+def non_tensor(data, key: str, default=None):
+    """A non-tensor field of a veRL batch (flags such as ``calculate_entropy``)."""
+    from verl.utils import tensordict_utils as tu
+
+    return tu.get_non_tensor_data(data=data, key=key, default=default)
+
+
+def global_batch_info(engine, data) -> None:
+    """What stock ``forward_backward_batch`` records before micro-batching: sp size, the global
+    count of loss tokens (summed over the data-parallel group) and the dp size."""
+    import torch.distributed as dist
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.device import get_device_id
+
+    tu.assign_non_tensor(data, sp_size=engine.ulysses_sequence_parallel_size)
+    batch_num_tokens = data["loss_mask"].sum().to(get_device_id())
+    dist.all_reduce(batch_num_tokens, op=dist.ReduceOp.SUM, group=engine.get_data_parallel_group())
+    tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item())
+    tu.assign_non_tensor(data, dp_size=engine.get_data_parallel_size())
+
+
+def micro_batches(engine, data):
+    """The host's micro-batches (and the dynamic-batching order), exactly as stock splits them."""
+    from verl.workers.engine.utils import prepare_micro_batches
+
+    return prepare_micro_batches(
+        data=data, dp_group=engine.get_data_parallel_group(), same_micro_num_in_dp=True
+    )
+
+
+def postprocess(output_lst, indices, data):
+    from verl.workers.engine.utils import postprocess_batch_func
+
+    return postprocess_batch_func(output_lst=output_lst, indices=indices, data=data)
+
+
+def prompt_lengths(micro_batch) -> torch.Tensor:
+    """Per row, the number of prompt tokens, read as ``no_padding_2_padding`` reads it."""
+    prompts = micro_batch["prompts"]
+    if prompts.is_nested:
+        return prompts.offsets().diff()
+    mask = micro_batch["attention_mask"]
+    return mask[:, : prompts.shape[1]].sum(dim=1)

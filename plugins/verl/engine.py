@@ -1,0 +1,181 @@
+"""forkrl's veRL engine: the FSDP2 engine with LM head, its batches trained and scored as prefix trees.
+
+Overrides one method, ``forward_backward_batch`` (training and ``forward_only`` scoring). Everything
+else is veRL's own, inherited unchanged: model building and FSDP2 sharding, the optimizer step and
+gradient clipping, checkpointing, weight sync to the rollout, and the loss (``ppo_loss`` with every
+registered policy loss, ``agg_loss`` mode, KL and entropy term, rollout importance weights).
+
+One call trains one mini-batch of this rank (an optimizer step): veRL's own micro-batch partition
+(fixed size or dynamic batch size) is kept, because its loss may normalise by a micro-batch's
+width; all micro-batches are one forest for :class:`forkrl.core.train.TreeStep`; veRL's loss runs
+per micro-batch on the tree's log-probs, placed as veRL places its own (nested over whole rows,
+rolled by one); one tree backward; the gradients are reduce-scattered into FSDP2's shards once.
+Old and reference log-probs (``forward_only``) are scored as one forest too.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+
+import torch
+from verl.utils.device import get_device_id, get_device_name
+from verl.utils.metric import AggregationType, Metric
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+from forkrl.core import RowLayout, TreeOptions, TreeStep
+
+from . import compat
+
+__all__ = ["BACKEND", "TreeFSDPEngineWithLMHead"]
+
+logger = logging.getLogger(__name__)
+
+#: The engine backend (``actor.strategy`` stays ``fsdp2``; forkrl's config names this backend).
+BACKEND = "fsdp2_tree"
+
+
+class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
+    """veRL's ``FSDPEngineWithLMHead`` with ``forward_backward_batch`` run over a prefix forest.
+
+    The tree options come from the engine config's ``forkrl`` attribute (set by
+    :class:`forkrl.plugins.verl.config.ForkrlFSDPActorConfig`); the backend name is mapped back to
+    ``fsdp2`` before veRL builds anything, so every other part of veRL sees its own FSDP2 engine.
+    """
+
+    def __init__(
+        self, model_config, engine_config, optimizer_config, checkpoint_config, *args, **kwargs
+    ) -> None:
+        options = getattr(engine_config, "forkrl", None)
+        self._tree_options: TreeOptions = (
+            options if isinstance(options, TreeOptions) else TreeOptions(tree_packing=True)
+        )
+        object.__setattr__(engine_config, "strategy", "fsdp2")
+        super().__init__(model_config, engine_config, optimizer_config, checkpoint_config, *args, **kwargs)
+        self._tree_steps: dict[float, TreeStep] = {}
+        logger.info("forkrl: veRL engine %s active (%s)", BACKEND, self._tree_options)
+
+    # ------------------------------------------------------------------ the override
+    def forward_backward_batch(self, data, loss_function, forward_only: bool = False):
+        """veRL's method: one mini-batch's forward and backward (or forward only) over one forest."""
+        if not self._tree_options.tree_enabled:
+            return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+        self._refuse(data)
+        compat.global_batch_info(self, data)
+        micro_batches, indices = compat.micro_batches(self, data)
+        micro_batches = [mb.to(get_device_id()) for mb in micro_batches]  # as stock forward_step does
+        layouts = [_layout(mb) for mb in micro_batches]
+        step = self._step(micro_batches)
+        entropy = bool(compat.non_tensor(data, "calculate_entropy", False))
+        dtype = getattr(self, "_autocast_dtype", torch.float32)
+        autocast = (
+            nullcontext()
+            if dtype == torch.float32
+            else torch.autocast(device_type=get_device_name(), dtype=dtype)
+        )
+        with autocast:
+            if forward_only:
+                outputs = self._score(step, micro_batches, layouts, loss_function, entropy)
+            else:
+                outputs = self._train(step, micro_batches, layouts, loss_function, entropy, data)
+        return compat.postprocess(outputs, indices, data)
+
+    # ------------------------------------------------------------------ the two passes
+    def _score(self, step, micro_batches, layouts, loss_function, entropy: bool) -> list[dict]:
+        scored = step.score_window(self.module, layouts, entropy=entropy)
+        outputs = []
+        for mb, (lp, ent) in zip(micro_batches, scored, strict=True):
+            model_output = _model_output(mb, lp, ent)
+            loss, metrics = torch.tensor(1.0), {}
+            if loss_function is not None:
+                loss, metrics = loss_function(
+                    model_output=model_output, data=mb, dp_group=self.get_data_parallel_group()
+                )
+            outputs.append({"model_output": model_output, "loss": float(loss.detach()), "metrics": metrics})
+        return outputs
+
+    def _train(self, step, micro_batches, layouts, loss_function, entropy: bool, data) -> list[dict]:
+        last: dict[int, tuple[torch.Tensor, dict]] = {}
+
+        def loss_fn(i: int, logps: torch.Tensor, ents: torch.Tensor | None) -> torch.Tensor:
+            model_output = _model_output(micro_batches[i], logps, ents if entropy else None)
+            loss, metrics = loss_function(
+                model_output=model_output, data=micro_batches[i], dp_group=self.get_data_parallel_group()
+            )
+            last[i] = (loss, metrics)  # the bridge evaluates the real values last
+            return loss
+
+        result = step.train(self.module, layouts, loss_fn, loss_gradient="general", entropy=entropy)
+        keep_output = bool(compat.non_tensor(data, "return_model_output", False))
+        per_row = iter(result.objective.logprobs)
+        outputs = []
+        for i, mb in enumerate(micro_batches):
+            loss, metrics = last[i]
+            out = {"loss": float(loss.detach()), "metrics": dict(metrics)}
+            rows = [next(per_row) for _ in layouts[i].sequences]
+            if keep_output:
+                out["model_output"] = _model_output(mb, layouts[i].to_host(torch.cat(rows)), None)
+            outputs.append(out)
+        for key, value in result.metrics.as_dict().items():
+            outputs[0]["metrics"][key] = Metric(value=value, aggregation=AggregationType.MEAN)
+        return outputs
+
+    # ------------------------------------------------------------------ setup and refusals
+    def _step(self, micro_batches) -> TreeStep:
+        temps = {
+            float(t) for mb in micro_batches for t in torch.as_tensor(mb["temperature"]).reshape(-1).tolist()
+        }
+        if len(temps) != 1:
+            raise ValueError(
+                f"forkrl's tree engine scores one temperature per mini-batch; this one has {sorted(temps)} per sample: "
+                "use one rollout temperature, or set forkrl.tree_packing=false"
+            )
+        (temperature,) = temps
+        if temperature not in self._tree_steps:
+            self._tree_steps[temperature] = TreeStep(self._tree_options, temperature=temperature)
+        return self._tree_steps[temperature]
+
+    def _refuse(self, data) -> None:
+        flags = {
+            "use_fused_kernels": "the fused LM-head kernels (use_fused_kernels=false)",
+            "distillation_use_topk": "top-k distillation",
+            "distillation_only": "distillation",
+        }
+        for key, what in flags.items():
+            if compat.non_tensor(data, key, False):
+                raise ValueError(
+                    f"forkrl's tree engine does not support {what}: turn it off or set forkrl.tree_packing=false"
+                )
+        problems = []
+        if self.ulysses_sequence_parallel_size > 1:
+            problems.append("Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1)")
+        if getattr(self, "scaler", None) is not None:
+            problems.append("fp16 loss scaling (use bf16)")
+        if getattr(self, "pad_to_length", False):
+            problems.append("pad_to_length")
+        if self.is_param_offload_enabled:
+            problems.append("parameter offload")
+        if any(k in data.keys() for k in ("multi_modal_inputs", "routed_experts", "teacher_logprobs")):
+            problems.append("multi-modal inputs, routed experts or teacher log-probs")
+        if problems:
+            raise ValueError(
+                f"forkrl's tree engine cannot run exactly with {', '.join(problems)}: turn it off, or set "
+                "forkrl.tree_packing=false to use veRL's own engine"
+            )
+
+
+def _layout(micro_batch) -> RowLayout:
+    """A veRL micro-batch's rows (nested input_ids) with veRL's rolled, nested per-token layout."""
+    input_ids = micro_batch["input_ids"]
+    offsets = input_ids.offsets()
+    prompt_lens = compat.prompt_lengths(micro_batch)
+    return RowLayout.packed(input_ids.values(), offsets, prompt_lens, align="next")
+
+
+def _model_output(micro_batch, logps: torch.Tensor, entropies: torch.Tensor | None) -> dict:
+    """The tree's values as veRL's engine returns its own: nested over whole rows."""
+    offsets = micro_batch["input_ids"].offsets().to(logps.device)
+    out = {"log_probs": torch.nested.nested_tensor_from_jagged(logps, offsets)}
+    if entropies is not None:
+        out["entropy"] = torch.nested.nested_tensor_from_jagged(entropies, offsets)
+    return out

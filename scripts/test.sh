@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Run every host's tests, each in its own environment (created by `bash scripts/setup.sh test`):
+#   .venv        core, TRL plugin, packaging, examples, benchmarks   (.venv/bin/python -m pytest)
+#   .venv-verl   the veRL plugin against real veRL                   (tests/verl)
+# Arguments go to the first run (e.g. -x, -k name). Fails when any environment's tests fail or collect nothing.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+status=0
+run() {  # run LABEL PYTHON ARGS...
+    local label="$1" py="$2"
+    shift 2
+    echo "== $label: $py -m pytest $*"
+    "$py" -m pytest "$@"
+    local rc=$?
+    if [ "$rc" -eq 5 ]; then
+        echo "scripts/test.sh: $label collected no tests: failing" >&2
+    fi
+    [ "$rc" -eq 0 ] || status=1
+}
+
+run "core + TRL" .venv/bin/python "$@"
+run "veRL" .venv-verl/bin/python tests/verl
+exit "$status"

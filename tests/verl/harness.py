@@ -1,0 +1,168 @@
+"""Real veRL on the CPU: the stock FSDP2 engine and forkrl's, built by veRL's own TrainingWorker.
+
+``VERL_ENGINE_DEVICE=cuda`` (veRL registers its FSDP engines for cuda/npu only) and the test-only
+CPU platform are set before veRL is imported; gloo is initialised for one rank unless torchrun
+already did. Batches are built as veRL's ray trainer hands them to ``update_actor``: padded
+[left-padded prompt | right-padded response] tensors turned into veRL's no-padding layout by its own
+``left_right_2_no_padding``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
+
+from . import cpu_platform  # noqa: E402
+
+cpu_platform.install()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+if not dist.is_initialized():
+    for key, value in dict(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
+        os.environ.setdefault(key, value)
+    if "MASTER_PORT" not in os.environ:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    dist.init_process_group("gloo")
+
+from functools import partial  # noqa: E402
+
+from tensordict import TensorDict  # noqa: E402
+from verl.trainer.config import CheckpointConfig  # noqa: E402
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig, TrainingWorkerConfig  # noqa: E402
+from verl.workers.engine_workers import TrainingWorker  # noqa: E402
+from verl.workers.utils.losses import ppo_loss  # noqa: E402
+from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
+
+import forkrl.plugins.verl as fverl  # noqa: E402
+from forkrl.core.testing.models import byte_llama, byte_tokenizer, save_pretrained  # noqa: E402
+from forkrl.plugins.verl.config import ForkrlFSDPActorConfig  # noqa: E402
+
+fverl.register()
+
+
+def save_model(path) -> str:
+    return save_pretrained(byte_llama(0), byte_tokenizer(), path)
+
+
+def actor_config(forkrl: dict | None, **kw) -> ForkrlFSDPActorConfig:
+    """veRL's actor config (forkrl's subclass; ``forkrl=None`` keeps veRL's own engine)."""
+    fields = dict(
+        rollout_n=1, strategy="fsdp2", ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=False,
+        use_torch_compile=False, fsdp_config=FSDPEngineConfig(
+            use_torch_compile=False, model_dtype="fp32",
+            mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+        ),
+    )  # fmt: skip
+    fields.update(kw)
+    return ForkrlFSDPActorConfig(forkrl=forkrl or {}, **fields)
+
+
+def worker(
+    path: str, actor, use_remove_padding: bool = True, lr: float = 0.05, max_token_len: int | None = None
+):
+    """A TrainingWorker built as veRL's ActorRolloutRefWorker builds its actor; the optimizer is
+    torch's SGD through veRL's own optimizer config (no clipping), so the update is the gradient's."""
+    model = HFModelConfig(
+        path=path, override_config={"attn_implementation": "sdpa"}, use_remove_padding=use_remove_padding
+    )
+    engine = actor.engine
+    engine.use_dynamic_bsz = actor.use_dynamic_bsz
+    engine.micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu
+    engine.infer_micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu
+    engine.max_token_len_per_gpu = max_token_len
+    engine.infer_max_token_len_per_gpu = max_token_len
+    engine.use_remove_padding = use_remove_padding
+    optim = FSDPOptimizerConfig(
+        lr=lr, weight_decay=0.0, clip_grad=1e9, optimizer="SGD", optimizer_impl="torch.optim"
+    )
+    config = TrainingWorkerConfig(
+        model_type="language_model", model_config=model, engine_config=engine, optimizer_config=optim,
+        checkpoint_config=CheckpointConfig(),
+    )  # fmt: skip
+    w = TrainingWorker(config)
+    w.reset()
+    w.set_loss_fn(partial(ppo_loss, config=actor))
+    return w
+
+
+def rows(seed: int = 0, groups: int = 2, n: int = 4, prompt: int = 12, response: int = 7, vocab: int = 250):
+    """GRPO-shaped rollouts: ``groups`` prompts (sharing a system opening) with ``n`` responses each,
+    of varying lengths; some responses extend others, one repeats."""
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda k: torch.randint(0, vocab, (k,), generator=g).tolist()  # noqa: E731
+    system = rand(prompt // 2)
+    out = []
+    for q in range(groups):
+        p = system + rand(prompt - len(system) - q)
+        first = rand(response)
+        for k in range(n):
+            r = first[: 1 + (k * 3) % response] if k % 2 else rand(1 + (k * 5) % response)
+            out.append((p, r))
+    out[-1] = out[-2]
+    return out
+
+
+def batch(rollouts, seed: int = 0, kl: bool = False, is_weights: bool = False) -> TensorDict:
+    """The rollouts as veRL's trainer hands them to the actor (no-padding layout, response tensors)."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    B = len(rollouts)
+    P = max(len(p) for p, _ in rollouts)
+    R = max(len(r) for _, r in rollouts)
+    ids = torch.zeros(B, P + R, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, (p, r) in enumerate(rollouts):
+        ids[b, P - len(p) : P], mask[b, P - len(p) : P] = torch.tensor(p), 1
+        ids[b, P : P + len(r)], mask[b, P : P + len(r)] = torch.tensor(r), 1
+    response_mask = mask[:, P:].clone()
+    fields = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+        "prompts": ids[:, :P],
+        "responses": ids[:, P:],
+        "response_mask": response_mask,
+        "old_log_probs": (torch.randn(B, R, generator=g) * 0.2 - 5.5) * response_mask,
+        "advantages": torch.randn(B, 1, generator=g).expand(B, R) * response_mask,
+    }
+    if kl:
+        fields["ref_log_prob"] = (torch.randn(B, R, generator=g) * 0.2 - 5.5) * response_mask
+    if is_weights:
+        fields["rollout_is_weights"] = (0.5 + torch.rand(B, R, generator=g)) * response_mask
+    return left_right_2_no_padding(TensorDict(fields, batch_size=[B]))
+
+
+def update(w, td: TensorDict, mini_batch: int, entropy: bool, temperature: float = 1.0):
+    """One ``update_actor`` call (as veRL's trainer makes it); returns the metrics."""
+    td = td.clone()
+    tu.assign_non_tensor(
+        td, calculate_entropy=entropy, global_batch_size=mini_batch, mini_batch_size=mini_batch, epochs=1, seed=42,
+        dataloader_kwargs={"shuffle": False}, compute_loss=True, temperature=temperature,
+    )  # fmt: skip
+    return tu.get(w.train_mini_batch(td), "metrics")
+
+
+def log_probs(w, td: TensorDict, entropy: bool = True, temperature: float = 1.0):
+    """``compute_log_prob`` as veRL's trainer makes it: response log-probs (and entropies), padded."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    td = td.clone()
+    tu.assign_non_tensor(td, calculate_entropy=entropy, compute_loss=False, temperature=temperature)
+    out = w.infer_batch(td)
+    lp = no_padding_2_padding(tu.get(out, "log_probs"), td)
+    ent = no_padding_2_padding(tu.get(out, "entropy"), td) if entropy else None
+    return lp, ent, tu.get(out, "metrics")
+
+
+def parameters(w) -> dict[str, torch.Tensor]:
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in w.engine.module.named_parameters()
+    }

@@ -1,0 +1,179 @@
+"""forkrl's veRL engine against veRL's own FSDP2 engine, both built by veRL's real TrainingWorker.
+
+Every configuration trains the stock engine and forkrl's from the same weights on the same
+batches (groups sharing prompts, responses of varying lengths that extend or repeat one another)
+for two ``update_actor`` calls with SGD, and asserts the parameters agree to 1e-4 of the update
+(float32, observed ~1e-6) and veRL's loss metric agrees; old log-probs and entropies from
+``compute_log_prob`` agree to float tolerance. Runs in the veRL environment (.venv-verl).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from . import harness as h
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    return h.save_model(tmp_path_factory.mktemp("verl-tiny"))
+
+
+def _pair(model_path, forkrl=None, use_remove_padding=True, max_token_len=None, **actor):
+    stock = h.worker(
+        model_path, h.actor_config(None, **actor), use_remove_padding, max_token_len=max_token_len
+    )
+    tree = h.worker(
+        model_path,
+        h.actor_config(forkrl or {"tree_packing": True}, **actor),
+        use_remove_padding,
+        max_token_len=max_token_len,
+    )
+    assert (
+        type(tree.engine).__name__ == "TreeFSDPEngineWithLMHead"
+        and type(stock.engine).__name__ == "FSDPEngineWithLMHead"
+    )
+    return stock, tree
+
+
+def _relative(a: dict, b: dict, init: dict) -> float:
+    change = max((b[n] - init[n]).abs().max().item() for n in b)
+    assert change > 0, "the stock run did not change the parameters"
+    return max((a[n] - b[n]).abs().max().item() for n in b) / change
+
+
+def _train_both(stock, tree, steps=2, entropy=True, kl=False, is_weights=False, rollouts=None, mini_batch=8):
+    rollouts = rollouts or h.rows()
+    init = h.parameters(stock)
+    logs = []
+    for step in range(steps):
+        td = h.batch(rollouts, seed=step, kl=kl, is_weights=is_weights)
+        logs.append((h.update(stock, td, mini_batch, entropy), h.update(tree, td, mini_batch, entropy)))
+    return init, logs
+
+
+CONFIGS = {
+    "vanilla-token-mean": {},
+    "seq-mean-token-sum": dict(loss_agg_mode="seq-mean-token-sum"),
+    "seq-mean-token-mean": dict(loss_agg_mode="seq-mean-token-mean"),
+    "seq-mean-token-sum-norm": dict(loss_agg_mode="seq-mean-token-sum-norm"),
+    "token-sum": dict(loss_agg_mode="token-sum"),
+    "gspo": dict(policy_loss={"loss_mode": "gspo"}, loss_agg_mode="seq-mean-token-mean"),
+    "gpg": dict(policy_loss={"loss_mode": "gpg"}),
+    "clip-cov": dict(policy_loss={"loss_mode": "clip_cov"}),
+    "kl-cov": dict(policy_loss={"loss_mode": "kl_cov"}),
+    "cispo": dict(policy_loss={"loss_mode": "cispo"}),
+    "sapo": dict(policy_loss={"loss_mode": "sapo"}),
+    "geo-mean": dict(policy_loss={"loss_mode": "geo_mean"}),
+    "dual-clip": dict(clip_ratio_c=2.0, clip_ratio_low=0.1, clip_ratio_high=0.3),
+    "entropy-bonus": dict(entropy_coeff=0.01),
+    "kl-loss": dict(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl"),
+    "kl-loss-k1": dict(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k1"),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_tree_engine_equals_stock(name, model_path):
+    actor = dict(CONFIGS[name])
+    if "policy_loss" in actor:
+        from verl.workers.config import PolicyLossConfig
+
+        actor["policy_loss"] = PolicyLossConfig(**actor["policy_loss"])
+    stock, tree = _pair(model_path, **actor)
+    kl = actor.get("use_kl_loss", False)
+    init, logs = _train_both(
+        stock, tree, entropy=actor.get("entropy_coeff", 0.0) != 0.0 or name == "vanilla-token-mean", kl=kl
+    )
+    rel = _relative(h.parameters(tree), h.parameters(stock), init)
+    assert rel < TOL, f"forkrl's engine differs from veRL's by {rel:.2e} of the update"
+    for ms, mt in logs:
+        assert math.isclose(ms["loss"][0], mt["loss"][0], rel_tol=1e-4, abs_tol=1e-6), (
+            ms["loss"],
+            mt["loss"],
+        )
+        assert mt["tree/compression"][0] > 1.0
+
+
+def test_rollout_importance_weights(model_path):
+    stock, tree = _pair(model_path)
+    init, _ = _train_both(stock, tree, is_weights=True)
+    assert _relative(h.parameters(tree), h.parameters(stock), init) < TOL
+
+
+def test_without_remove_padding(model_path):
+    stock, tree = _pair(model_path, use_remove_padding=False)
+    init, _ = _train_both(stock, tree)
+    assert _relative(h.parameters(tree), h.parameters(stock), init) < TOL
+
+
+def test_dynamic_batch_size(model_path):
+    """Dynamic batch size: veRL regroups rows into micro-batches by token budget (and reorders the
+    outputs back); forkrl keeps that partition and that order."""
+    stock, tree = _pair(model_path, max_token_len=48, use_dynamic_bsz=True)
+    init, _ = _train_both(stock, tree)
+    assert _relative(h.parameters(tree), h.parameters(stock), init) < TOL
+    td = h.batch(h.rows(seed=3))
+    lp_s, ent_s, _ = h.log_probs(stock, td)
+    lp_t, ent_t, _ = h.log_probs(tree, td)
+    torch.testing.assert_close(lp_t, lp_s, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("tree_mode", ["keep", "replay"])
+def test_old_log_probs_and_entropies_equal_stock(tree_mode, model_path):
+    forkrl = {"tree_packing": True, "tree_mode": tree_mode}
+    if tree_mode == "replay":
+        forkrl["tree_block_size"] = 5
+    stock, tree = _pair(model_path, forkrl=forkrl)
+    td = h.batch(h.rows(seed=1))
+    lp_s, ent_s, _ = h.log_probs(stock, td, temperature=0.7)
+    lp_t, ent_t, _ = h.log_probs(tree, td, temperature=0.7)
+    torch.testing.assert_close(lp_t, lp_s, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(ent_t, ent_s, rtol=1e-5, atol=2e-5)
+
+
+def test_long_context_replay_trains_like_stock(model_path):
+    stock, tree = _pair(model_path, forkrl={"long_context_replay": True, "tree_block_size": 4})
+    init, _ = _train_both(stock, tree)
+    assert _relative(h.parameters(tree), h.parameters(stock), init) < TOL
+
+
+def test_tree_off_is_stock(model_path):
+    stock = h.worker(model_path, h.actor_config(None))
+    off = h.worker(model_path, h.actor_config({"tree_packing": False}))
+    assert type(off.engine).__name__ == "FSDPEngineWithLMHead"  # veRL's own engine, untouched
+    init, _ = _train_both(stock, off)
+    a, b = h.parameters(off), h.parameters(stock)
+    assert all(torch.equal(a[n], b[n]) for n in b)
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match=r"unknown forkrl option\(s\) \['tree_packnig'\]"):
+        h.actor_config({"tree_packnig": True})
+    with pytest.raises(ValueError, match="tree_mode='fast' is not one of"):
+        h.actor_config({"tree_packing": True, "tree_mode": "fast"})
+    with pytest.raises(ValueError, match="Ulysses sequence parallelism"):
+        h.actor_config({"tree_packing": True}, ulysses_sequence_parallel_size=2)
+
+
+def test_per_sample_temperatures_are_refused(model_path):
+    stock, tree = _pair(model_path)
+    td = h.batch(h.rows())
+    from verl.utils import tensordict_utils as tu
+
+    td = td.clone()
+    tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
+    td["temperature"] = torch.linspace(0.5, 1.0, td.batch_size[0])
+    with pytest.raises(ValueError, match="one temperature per mini-batch"):
+        tree.infer_batch(td)
+
+
+def test_verl_privates_are_where_the_plugin_expects_them():
+    from forkrl.plugins.verl import compat
+
+    for private in compat.PRIVATES:
+        compat.check(private)

@@ -1,0 +1,69 @@
+"""Two gloo ranks under veRL's FSDP2 engine: ranks hold different forests (rank 0 groups that share
+prompts, rank 1 rows that share nothing) and the tree engine's update still equals veRL's own."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_SCRIPT = r"""
+import sys
+sys.path.insert(0, {root!r})
+import torch, torch.distributed as dist
+from tests.verl import harness as h
+rank = dist.get_rank()
+path = sys.argv[1]
+if rank == 0:
+    rollouts = h.rows(seed=0)
+else:  # nothing shared between rows
+    g = torch.Generator().manual_seed(7)
+    rollouts = [([k] + torch.randint(0, 250, (5 + k % 3,), generator=g).tolist(), torch.randint(0, 250, (2 + k % 4,), generator=g).tolist()) for k in range(8)]
+stock = h.worker(path, h.actor_config(None, ppo_mini_batch_size=16))
+tree = h.worker(path, h.actor_config({{"tree_packing": True}}, ppo_mini_batch_size=16))
+init = h.parameters(stock)
+for step in range(2):
+    td = h.batch(rollouts, seed=10 * rank + step, kl=True)
+    ms = h.update(stock, td, 16, entropy=True)
+    mt = h.update(tree, td, 16, entropy=True)
+a, b = h.parameters(tree), h.parameters(stock)
+change = max((b[n] - init[n]).abs().max().item() for n in b)
+rel = max((a[n] - b[n]).abs().max().item() for n in b) / change
+line = f"RANK {{rank}} REL {{rel:.3e}} CHANGE {{change:.3e}} LOSS {{ms['loss'][0]:.6f}} {{mt['loss'][0]:.6f}}"
+lines = [None] * dist.get_world_size()
+dist.all_gather_object(lines, line)
+if rank == 0:  # one writer: the ranks' prints would interleave
+    print("\n".join(lines), flush=True)
+"""
+
+
+def test_two_ranks_equal_stock(tmp_path):
+    from forkrl.core.testing.models import byte_llama, byte_tokenizer, save_pretrained
+
+    path = save_pretrained(byte_llama(0), byte_tokenizer(), tmp_path / "model")
+    script = tmp_path / "ranks.py"
+    script.write_text(_SCRIPT.format(root=str(ROOT)))
+    # This process may hold a one-rank gloo group (other veRL tests): torchrun's ranks get their own.
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in launcher} | {"OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(script),
+        path,
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-4000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RANK")]
+    assert len(lines) == 2, out.stdout[-2000:]
+    for line in lines:
+        fields = line.split()
+        assert float(fields[3]) < 1e-4 and float(fields[5]) > 0, line
+        assert abs(float(fields[7]) - float(fields[8])) < 1e-4 * max(1.0, abs(float(fields[7]))), line

@@ -1,0 +1,105 @@
+"""The override YAMLs, composed by veRL's own Hydra config and validated by veRL's own checks, build
+forkrl's actor and reference configs (so a wrong key fails here, not in a user's cluster)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import open_dict
+
+from forkrl.core import TreeOptions  # noqa: E402
+from forkrl.plugins.verl import CONFIG_DIR  # noqa: E402
+
+from . import harness  # veRL set up on the CPU
+
+OVERRIDES = [
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+    "data.train_batch_size=8",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "trainer.n_gpus_per_node=1",
+    "actor_rollout_ref.actor.use_kl_loss=true",
+    "algorithm.adv_estimator=grpo",
+    "actor_rollout_ref.rollout.n=4",
+]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    return harness.save_model(tmp_path_factory.mktemp("verl-yaml-model"))
+
+
+def _compose(name: str, model: str, extra: list[str] = ()):
+    paths = [f"actor_rollout_ref.model.path={model}", f"critic.model.path={model}"]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        return compose(config_name=name, overrides=[*OVERRIDES, *paths, *extra])
+
+
+def _build(cfg):
+    """Actor and reference configs exactly as veRL's ActorRolloutRefWorker.init_model builds them."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    ref_node = cfg.actor_rollout_ref.ref
+    with open_dict(ref_node):
+        ref_node.ppo_mini_batch_size = cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+        ref_node.ppo_micro_batch_size = ref_node.pop("log_prob_micro_batch_size", None)
+        ref_node.ppo_micro_batch_size_per_gpu = ref_node.pop("log_prob_micro_batch_size_per_gpu", None)
+        ref_node.use_dynamic_bsz = ref_node.pop("log_prob_use_dynamic_bsz", False)
+        ref_node.ppo_max_token_len_per_gpu = ref_node.pop("log_prob_max_token_len_per_gpu", None)
+    return actor, omega_conf_to_dataclass(ref_node)
+
+
+@pytest.mark.parametrize("name", ["forkrl_tree", "forkrl_long_context"])
+def test_yaml_builds_forkrl_configs_and_passes_verl_validation(name, model_path):
+    from verl.trainer.main_ppo import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    cfg = _compose(name, model_path)
+    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    assert (
+        cfg.ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES
+        == "forkrl.plugins.verl.autoload"
+    )
+    actor, ref = _build(cfg)
+    for config in (actor, ref):
+        assert type(config).__name__ == "ForkrlFSDPActorConfig"
+        assert config.strategy == "fsdp2" and config.engine.strategy == "fsdp2_tree"
+        assert isinstance(config.engine.forkrl, TreeOptions) and config.engine.forkrl.tree_enabled
+    if name == "forkrl_long_context":
+        assert actor.engine.forkrl.long_context_replay and actor.engine.forkrl.tree_block_size == 2048
+
+
+def test_a_wrong_forkrl_key_fails_when_veRL_builds_the_config(model_path):
+    cfg = _compose("forkrl_tree", model_path, ["+actor_rollout_ref.actor.forkrl.tree_mod=keep"])
+    with pytest.raises(Exception, match=r"unknown forkrl option\(s\) \['tree_mod'\]"):
+        _build(cfg)
+    cfg = _compose("forkrl_tree", model_path, ["actor_rollout_ref.actor.forkrl.tree_mode=fastest"])
+    with pytest.raises(Exception, match="tree_mode='fastest' is not one of"):
+        _build(cfg)
+
+
+def test_the_module_prints_the_config_dir():
+    out = subprocess.run(
+        [sys.executable, "-m", "forkrl.plugins.verl"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip() == str(CONFIG_DIR)
+    assert (CONFIG_DIR / "forkrl_tree.yaml").exists()
+
+
+def test_the_entry_point_registers_the_engine_in_a_fresh_process():
+    code = (
+        "import logging; logging.basicConfig(level=logging.INFO)\n"
+        "import os; os.environ['VERL_ENGINE_DEVICE'] = 'cuda'\n"
+        "import verl\n"
+        "from verl.workers.engine.base import EngineRegistry\n"
+        "print('BACKENDS', sorted(EngineRegistry._engines['language_model']))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "fsdp2_tree" in out.stdout.split("BACKENDS")[1], out.stdout
+    assert "forkrl: veRL plugin loaded" in out.stderr
