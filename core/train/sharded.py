@@ -1,5 +1,11 @@
 """Tree steps under a sharded engine: gather once, run the tree on a plain replica, reduce once.
 
+Two replicas: :class:`FSDP2Replica` for FSDP2 (below), and :class:`AliasReplica` for engines that
+keep whole parameters on every rank but reduce gradients through hooks on them (DeepSpeed ZeRO
+stages 0-2): its parameters alias the model's storage, so the tree's many backwards accumulate into
+the replica's own gradients, and one backward of :meth:`AliasReplica.gradient_surrogate` through the
+engine then hands the step's gradient over (the engine's own scaling, hooks and reductions, once).
+
 A sharded engine (PyTorch FSDP2's ``fully_shard``) all-gathers each layer's parameters in every
 forward and reduce-scatters its gradients in backward, through hooks that every rank must run in
 the same order. The tree executor runs as many forwards and backwards per step as its forest has
@@ -25,6 +31,7 @@ that are refused by the memory itself (an out-of-memory error), not silently cha
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -34,7 +41,7 @@ from torch import nn
 from .. import compat
 from .distributed import world_size
 
-__all__ = ["FSDP2Replica", "is_fsdp2"]
+__all__ = ["AliasReplica", "FSDP2Replica", "is_fsdp2"]
 
 
 def is_fsdp2(model: nn.Module) -> bool:
@@ -123,3 +130,73 @@ class FSDP2Replica:
     def _tie(self) -> None:
         if getattr(self.replica.config, "tie_word_embeddings", False):
             self.replica.tie_weights()
+
+
+class AliasReplica:
+    """A copy of a module whose parameters alias the model's own storage (nothing is copied).
+
+    Autograd through the replica accumulates into the replica's gradients and never reaches the
+    model's parameters, so hooks an engine registered on them (DeepSpeed ZeRO's gradient reduction,
+    which refuses a parameter reduced twice per micro-step) do not fire during the tree's many
+    backwards. The step's gradient is then handed to the engine with one backward of
+    :meth:`gradient_surrogate` through the engine's own ``backward``.
+
+    Args:
+        model: the module the engine trains (a transformers causal LM, a PEFT model, ...), with
+            whole (unpartitioned) parameters.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.locations = list(model.named_parameters(remove_duplicate=False))
+        memo: dict[int, object] = {id(b): b for _, b in model.named_buffers(remove_duplicate=False)}
+        for _, p in self.locations:
+            memo.setdefault(
+                id(p), nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
+            )
+        self._placeholders = {name: memo[id(p)] for name, p in self.locations}
+        self.replica = copy.deepcopy(model, memo)
+        self.grads: dict[int, torch.Tensor] = {}
+
+    @contextmanager
+    def gathered(self, grad: bool) -> Iterator[nn.Module]:
+        """The replica holding the model's parameters (aliased); with ``grad``, their gradients
+        are kept in :attr:`grads` (by parameter id) on exit."""
+        aliases: dict[int, nn.Parameter] = {}
+        for name, p in self.locations:
+            leaf = aliases.get(id(p))
+            if leaf is None:
+                leaf = aliases[id(p)] = nn.Parameter(p.detach(), requires_grad=grad and p.requires_grad)
+            compat.set_tensor(self.replica, name, leaf, parameter=True)
+        self.replica.train(self.model.training)
+        try:
+            yield self.replica
+            if grad:
+                self.grads = {key: leaf.grad for key, leaf in aliases.items() if leaf.grad is not None}
+        finally:
+            for name, placeholder in self._placeholders.items():
+                compat.set_tensor(self.replica, name, placeholder, parameter=True)
+
+    def gradient_surrogate(self, zero: bool = False) -> torch.Tensor:
+        """A scalar (value 0) whose gradient w.r.t. each trainable model parameter is its gradient
+        in :attr:`grads` (zero where it has none, or everywhere with ``zero``).
+
+        Backward it through the engine (``engine.backward(surrogate)``) to give the engine the tree
+        step's gradient as if the host's own backward had produced it.
+        """
+        terms = []
+        seen: set[int] = set()
+        for _, p in self.locations:
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+            g = None if zero else self.grads.get(id(p))
+            delta = p - p.detach()  # value 0, gradient 1
+            terms.append((delta * g).sum() if g is not None else (delta * 0).sum())
+        if not terms:
+            raise ValueError("the model has no trainable parameters: nothing to hand to the engine")
+        return torch.stack([t.float() for t in terms]).sum()
+
+    def clear(self) -> None:
+        """Drop the kept gradients (after they were handed over)."""
+        self.grads = {}

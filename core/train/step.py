@@ -223,6 +223,7 @@ class TreeStep:
         data_parallel: bool = False,
         process_group=None,
         device: torch.device | str | None = None,
+        lockstep: bool = False,
     ) -> StepResult:
         """Accumulate the exact gradient of one optimizer step's host loss into ``param.grad``.
 
@@ -239,6 +240,8 @@ class TreeStep:
             gradient_checkpointing: the host's checkpointing flag (``tree_mode='auto'`` then replays).
             data_parallel: average the gradients over ``process_group`` afterwards.
             device: where the loss's leaves live (default: the model's).
+            lockstep: the host runs collectives over ``process_group`` after this step (an engine's
+                gradient reduction): a failure on any rank is raised on every rank first.
 
         Returns:
             :class:`StepResult`: the losses, this rank's metrics, the forest.
@@ -257,11 +260,13 @@ class TreeStep:
                 ),
                 executor.device,
                 process_group,
-                collective=replica is not None or data_parallel,
+                collective=replica is not None or data_parallel or lockstep,
                 consequence="the model's sharded gradients are unchanged on every rank"
                 if replica is not None
                 else "this rank's param.grad holds its own part of the step, not reduced: zero the gradients "
-                "before retrying",
+                "before retrying"
+                if data_parallel
+                else "nothing was handed to the engine: its gradients are unchanged on every rank",
             )
         if path == "constant" and res.path != "constant":
             self.fused_ok = False

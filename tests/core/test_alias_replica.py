@@ -1,0 +1,75 @@
+"""AliasReplica: the tree step on a replica aliasing the model's parameters (as under DeepSpeed
+ZeRO 0-2), its gradient handed over by one backward of the surrogate, in true float64.
+
+The model's parameters carry gradient hooks, as an engine's reduction hooks would: none may fire
+during the tree's backwards (DeepSpeed ZeRO refuses a parameter reduced twice per micro-step), and
+each fires once for the surrogate. The handed-over gradient must equal plain autograd's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forkrl.core import RowLayout, TreeOptions, TreeStep
+from forkrl.core.testing import Float64Mode
+from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err, tiny_causal_lm
+from forkrl.core.train import AliasReplica
+
+
+def _rows():
+    g = torch.Generator().manual_seed(7)
+    rand = lambda n: torch.randint(0, 61, (n,), generator=g).tolist()  # noqa: E731
+    prompt = rand(14)
+    rows = [(prompt, rand(2 + k)) for k in range(4)] + [(rand(5), rand(3))]
+    P, C = max(len(p) for p, _ in rows), max(len(c) for _, c in rows)
+    ids = torch.zeros(len(rows), P + C, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, (p, c) in enumerate(rows):
+        ids[b, P - len(p) : P], mask[b, P - len(p) : P] = torch.tensor(p), 1
+        ids[b, P : P + len(c)], mask[b, P : P + len(c)] = torch.tensor(c), 1
+    return rows, RowLayout.padded(ids, mask, C), mask[:, P:].to(torch.float64)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_alias_replica_hands_over_the_exact_gradient_without_firing_hooks(tied):
+    rows, layout, cmask = _rows()
+    old = torch.linspace(-3.2, -2.8, cmask.numel(), dtype=torch.float64).reshape(cmask.shape)
+
+    def loss_fn(i, lp, ent):
+        ratio = torch.exp(lp - old)
+        return -(ratio.clamp(0.8, 1.2) * ratio * cmask).sum() / cmask.sum() - 0.01 * (ent * cmask).sum()
+
+    with Float64Mode():
+        reference = tiny_causal_lm("llama-gqa", tie_word_embeddings=tied)
+        model = tiny_causal_lm("llama-gqa", tie_word_embeddings=tied)
+        reference.train()
+        model.train()
+        lps, ents = dense_logprobs(
+            reference, [p + c for p, c in rows], [len(p) for p, _ in rows], entropy=True
+        )
+        loss_fn(0, layout.to_host(torch.cat(lps)), layout.to_host(torch.cat(ents))).backward()
+        want = grads(reference)
+
+        fired: list[int] = []
+        for k, p in enumerate(model.parameters()):
+            p.register_hook(lambda g, k=k: fired.append(k) or g)
+        replica = AliasReplica(model)
+        step = TreeStep(TreeOptions(tree_packing=True))
+        with replica.gathered(grad=True) as plain:
+            assert all(
+                a.data_ptr() == b.data_ptr()
+                for a, b in zip(plain.parameters(), model.parameters(), strict=True)
+            )
+            step.train(plain, [layout], loss_fn, loss_gradient="general")
+        assert fired == [] and all(p.grad is None for p in model.parameters())
+        replica.gradient_surrogate().backward()
+        assert sorted(fired) == list(range(len(list(model.parameters()))))
+        assert max_rel_err(grads(model), want) < 1e-12
+
+        replica.clear()
+        before = grads(model)
+        replica.gradient_surrogate(zero=True).backward()
+        assert max_rel_err(grads(model), before) == 0.0
+        # Between steps the replica holds no parameters of its own (meta placeholders).
+        assert all(p.is_meta for p in replica.replica.parameters())
