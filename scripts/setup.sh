@@ -4,7 +4,9 @@
 #   bash scripts/setup.sh run    # .venv: forkrl, editable, with TRL (the [trl] extra: the README's main job is TRL GRPO)
 #   bash scripts/setup.sh test   # .venv with the [dev] extra (pytest, hypothesis, ruff, build, TRL, ...), plus one
 #                                # environment per further host, since the hosts' pins conflict:
-#                                #   .venv-verl  forkrl with the [verl] extra (veRL 0.9.1, its transformers) and pytest
+#                                #   .venv-verl      forkrl with the [verl] extra (veRL 0.9.1, its transformers) and pytest
+#                                #   .venv-openrlhf  forkrl with the [openrlhf] extra (OpenRLHF's dependencies), then
+#                                #                   OpenRLHF 0.11.2 itself (see setup_openrlhf) and pytest
 #
 # torch: if an environment can already import torch (for example a CUDA build you installed yourself), it is
 # left alone. Otherwise torch==2.13.0 is installed first, explicitly: an unpinned torch would pull a
@@ -95,9 +97,45 @@ sys.exit(0 if os.path.realpath(forkrl.core.__path__[0]) == os.path.realpath(sys.
         "$root/core") >/dev/null 2>&1
 }
 
+# OpenRLHF 0.11.2 requires flash-attn at install and at import, whose build needs CUDA, and imports
+# vllm at module level: install vllm and remove the CUDA builds of torchvision/torchaudio/torchcodec/
+# triton it pulls in (they break CPU imports; torch stays the CPU build), then OpenRLHF without
+# dependencies (the [openrlhf] extra has them) and flash-attn's Python parts without its kernels (an
+# empty flash_attn_2_cuda module stands in for the extension, which only GPU code calls).
+# Idempotent: skipped when OpenRLHF's PPO actor already imports.
+OPENRLHF_PIN="openrlhf==0.11.2"
+FLASH_ATTN_PIN="flash-attn==2.8.3"
+VLLM_PIN="vllm==0.29.0"
+setup_openrlhf() {
+    local py="$root/.venv-openrlhf/bin/python"
+    if "$py" -c 'import openrlhf.trainer.ray.ppo_actor, openrlhf.cli.train_ppo_ray' >/dev/null 2>&1; then
+        say "OpenRLHF up to date in .venv-openrlhf"
+        return 0
+    fi
+    say ".venv-openrlhf: installing $VLLM_PIN, $OPENRLHF_PIN (no deps) and $FLASH_ATTN_PIN (Python parts only)"
+    "$py" -m pip install -q "$VLLM_PIN" "$TORCH_PIN"
+    "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+    "$py" -m pip install -q --no-deps "$OPENRLHF_PIN"
+    if ! "$py" -c 'import flash_attn' >/dev/null 2>&1; then
+        FLASH_ATTENTION_FORCE_BUILD=TRUE FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE \
+            "$py" -m pip install -q --no-build-isolation --no-deps "$FLASH_ATTN_PIN"
+        local site
+        site="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+        [ -e "$site/flash_attn_2_cuda.py" ] || echo '"""Stand-in for the CUDA extension (CPU install by forkrl scripts/setup.sh)."""' \
+            >"$site/flash_attn_2_cuda.py"
+    fi
+    "$py" -c 'import openrlhf.trainer.ray.ppo_actor, openrlhf.cli.train_ppo_ray' || {
+        echo "setup.sh: error: OpenRLHF does not import in .venv-openrlhf" >&2
+        exit 1
+    }
+    say ".venv-openrlhf done: $("$py" -c 'from importlib.metadata import version as v; print(", ".join(f"{p} {v(p)}" for p in ("openrlhf", "deepspeed", "vllm")))')"
+}
+
 if [ "$mode" = run ]; then
     setup_env .venv ".[trl]" run
 else
     setup_env .venv ".[dev]" test
     setup_env .venv-verl ".[verl]" test pytest
+    setup_env .venv-openrlhf ".[openrlhf]" test pytest
+    setup_openrlhf
 fi

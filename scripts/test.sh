@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run every host's tests, each in its own environment (created by `bash scripts/setup.sh test`):
 #   .venv        core, TRL plugin, packaging, examples, benchmarks   (.venv/bin/python -m pytest)
-#   .venv-verl   the veRL plugin against real veRL                   (tests/verl)
+#   .venv-verl       the veRL plugin against real veRL               (tests/verl)
+#   .venv-openrlhf   the OpenRLHF plugin against real OpenRLHF       (tests/openrlhf)
 # Arguments go to the first run (e.g. -x, -k name). Fails when any environment's tests fail or collect nothing.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -21,4 +22,7 @@ run() {  # run LABEL PYTHON ARGS...
 
 run "core + TRL" .venv/bin/python "$@"
 run "veRL" .venv-verl/bin/python tests/verl
+# DeepSpeed compiles a CPU op on first use (about a minute): cache it with the environment.
+TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv-openrlhf/torch_extensions}" \
+    run "OpenRLHF" .venv-openrlhf/bin/python tests/openrlhf
 exit "$status"

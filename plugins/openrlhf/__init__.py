@@ -1,1 +1,14 @@
-"""OpenRLHF plugin for forkrl (not yet implemented; a later issue)."""
+"""forkrl for OpenRLHF: tree training and prefix-shared scoring in OpenRLHF's PPO/GRPO.
+
+Run OpenRLHF's usual command through forkrl's launcher, with forkrl's flags added::
+
+    python -m forkrl.plugins.openrlhf.train_ppo_ray <OpenRLHF's flags> --forkrl.tree_packing
+
+- :mod:`.train_ppo_ray`: the launcher (OpenRLHF's own ``__main__``, run with forkrl's actors).
+- :mod:`.actors`: the policy and reference Ray actors (tree-scored old/reference log-probs).
+- :mod:`.trainer`: :class:`~.trainer.TreeActorPPOTrainer`, each optimizer step one forest.
+- :mod:`.options`: the ``--forkrl.*`` flags and the OpenRLHF settings they refuse.
+- :mod:`.compat`: every OpenRLHF name the plugin swaps and private it reads, with its version.
+
+Importing this package does not import OpenRLHF; the submodules above (except ``options``) do.
+"""

@@ -1,0 +1,104 @@
+"""forkrl's Ray actors for OpenRLHF: the policy (tree training, tree-scored old log-probs) and the
+reference model (tree-scored reference log-probs).
+
+Ray pickles actor classes by reference, so these live in an importable module: every worker
+imports forkrl and builds these classes, whatever the driver patched. Each subclasses OpenRLHF's
+own actor class (``__ray_actor_class__``) and is wrapped with ``ray.remote`` as OpenRLHF wraps its
+own. Without forkrl's options (``strategy.args.forkrl``) both behave exactly as OpenRLHF's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+import torch
+from openrlhf.trainer.ray import ppo_actor
+from openrlhf.trainer.ray.launcher import ReferenceModelActor as _HostReference
+from openrlhf.trainer.ray.ppo_actor import PolicyModelActor as _HostPolicy
+
+from forkrl.core import TreeStep
+
+from . import compat
+from .options import options_from
+from .trainer import TreeActorPPOTrainer, score_log_probs, tree_module
+
+__all__ = ["PolicyModelActor", "ReferenceModelActor", "TreePolicyModelActor", "TreeReferenceModelActor"]
+
+
+def _scorable(module: torch.nn.Module) -> bool:
+    """Whole parameters (not ZeRO-3 partitions, which the tree scorer does not gather)."""
+    return not compat.is_partitioned(module)
+
+
+class TreePolicyModelActor(_HostPolicy.__ray_actor_class__):
+    """OpenRLHF's policy actor, its trainer forkrl's :class:`TreeActorPPOTrainer`."""
+
+    def init_model_from_pretrained(self, strategy: Any, pretrain: str, *args: Any, **kwargs: Any) -> None:
+        with compat.swapped(ppo_actor, ActorPPOTrainer=TreeActorPPOTrainer):
+            super().init_model_from_pretrained(strategy, pretrain, *args, **kwargs)
+
+    def forward(
+        self,
+        sequences: torch.LongTensor,
+        action_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        packed_seq_lens=None,
+        mm_train_inputs_list=None,
+    ) -> torch.Tensor:
+        """Old-policy action log-probs ``[B, num_actions]``: tree-scored with tree training on."""
+        tree = getattr(self.trainer, "tree_step", None)
+        module = tree_module(self.actor)
+        if tree is None or mm_train_inputs_list or action_mask is None or not _scorable(module):
+            return super().forward(
+                sequences, action_mask, attention_mask, packed_seq_lens, mm_train_inputs_list
+            )
+        device = next(module.parameters()).device
+        return score_log_probs(
+            tree, module, sequences.to(device), action_mask.to(device), attention_mask.to(device)
+        )
+
+
+class TreeReferenceModelActor(_HostReference.__ray_actor_class__):
+    """OpenRLHF's reference actor, its log-probs tree-scored with tree training on."""
+
+    def init_model_from_pretrained(self, strategy: Any, pretrain: str, *args: Any, **kwargs: Any) -> None:
+        super().init_model_from_pretrained(strategy, pretrain, *args, **kwargs)
+        options = options_from(strategy.args)
+        self.tree_step = (
+            TreeStep(options, temperature=float(getattr(self.model, "temperature", 1.0)))
+            if options.tree_enabled
+            else None
+        )
+
+    def forward(
+        self,
+        sequences: torch.LongTensor,
+        action_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        return_output: bool = False,
+        packed_seq_lens=None,
+        mm_train_inputs_list=None,
+    ) -> torch.Tensor:
+        """Reference action log-probs ``[B, num_actions]``: tree-scored with tree training on."""
+        tree = getattr(self, "tree_step", None)
+        module = tree_module(self.model)
+        if (
+            tree is None
+            or return_output
+            or mm_train_inputs_list
+            or action_mask is None
+            or not _scorable(module)
+        ):
+            return super().forward(
+                sequences, action_mask, attention_mask, return_output, packed_seq_lens, mm_train_inputs_list
+            )
+        device = next(module.parameters()).device
+        return score_log_probs(
+            tree, module, sequences.to(device), action_mask.to(device), attention_mask.to(device)
+        )
+
+
+# Ray actor classes, built as OpenRLHF builds its own (one GPU per actor by default).
+PolicyModelActor = ray.remote(num_gpus=1)(TreePolicyModelActor)
+ReferenceModelActor = ray.remote(num_gpus=1)(TreeReferenceModelActor)

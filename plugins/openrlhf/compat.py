@@ -1,0 +1,251 @@
+"""Every OpenRLHF name and private the OpenRLHF plugin relies on, in one place.
+
+OpenRLHF has no plugin interface: its CLI builds the Ray actors from module-level names, and its
+actors build their trainer from a module-level name. The plugin swaps those names for forkrl's
+subclasses (:data:`SWAPS`, scoped with :func:`swapped`), and reads a few privates through the
+accessors below. Each :class:`HostPrivate` says what is relied on, and
+``tests/openrlhf/test_openrlhf_contract.py`` checks every entry against the installed OpenRLHF,
+so an upgrade that changes one fails in one test with the entry's name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CHECKED",
+    "PRIVATES",
+    "SWAPS",
+    "HostPrivate",
+    "check",
+    "engine_of",
+    "is_partitioned",
+    "swapped",
+    "zero_stage",
+]
+
+CHECKED = "openrlhf 0.11.2 (deepspeed 0.19.6, transformers 5.15.0, ray 2.55.0)"
+
+#: (module, name, why): the module-level names the plugin replaces, and where.
+SWAPS: tuple[tuple[str, str, str], ...] = (
+    (
+        "openrlhf.trainer.ray.ppo_actor",
+        "PolicyModelActor",
+        "driver: train_ppo_ray imports it at module level to build the actor group",
+    ),
+    (
+        "openrlhf.trainer.ray.launcher",
+        "ReferenceModelActor",
+        "driver: train_ppo_ray imports it at module level to build the reference group",
+    ),
+    (
+        "openrlhf.utils.config",
+        "hierarchize",
+        "driver: train_ppo_ray's __main__ imports it after parsing; forkrl's options are attached to its result",
+    ),
+    (
+        "openrlhf.utils",
+        "get_strategy",
+        "driver, parse only: train() calls it first after ray.init; the launcher's dry run stops there",
+    ),
+    (
+        "ray",
+        "is_initialized",
+        "driver, parse only: train() starts Ray unless it is initialised; the dry run starts nothing",
+    ),
+    (
+        "openrlhf.trainer.ray.ppo_actor",
+        "ActorPPOTrainer",
+        "worker: PolicyModelActor.init_model_from_pretrained builds its trainer by this global name",
+    ),
+    (
+        "openrlhf.trainer.ray.ppo_actor",
+        "iter_grad_accum_global_norm",
+        "worker: ActorPPOTrainer.ppo_train groups micro-batches into optimizer-step windows with it",
+    ),
+)
+
+
+@contextlib.contextmanager
+def swapped(module: ModuleType | str, **names: Any) -> Iterator[None]:
+    """Replace module-level ``names`` of ``module`` for the duration of the block (restored after,
+    also on error). Only names listed in :data:`SWAPS` may be swapped."""
+    if isinstance(module, str):
+        import importlib
+
+        module = importlib.import_module(module)
+    allowed = {name for mod, name, _ in SWAPS if mod == module.__name__}
+    unknown = set(names) - allowed
+    if unknown:
+        raise AssertionError(f"{sorted(unknown)} of {module.__name__} are not listed in compat.SWAPS")
+    saved = {name: getattr(module, name) for name in names}
+    try:
+        for name, value in names.items():
+            setattr(module, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def engine_of(actor: torch.nn.Module) -> Any:
+    """The DeepSpeed engine inside an OpenRLHF ``Actor`` (``strategy.prepare`` sets ``actor.model``)."""
+    return actor.model
+
+
+def is_partitioned(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s parameters are ZeRO-3 partitions (DeepSpeed marks them ``ds_status``)."""
+    return any(hasattr(p, "ds_status") for p in module.parameters())
+
+
+def zero_stage(engine: Any) -> int:
+    """The ZeRO stage of a DeepSpeed engine (0 for a plain module)."""
+    stage = getattr(engine, "zero_optimization_stage", None)
+    return int(stage()) if callable(stage) else 0
+
+
+# ---------------------------------------------------------------------- the contract
+@dataclass(frozen=True)
+class HostPrivate:
+    """One fact about OpenRLHF: ``check()`` raises AssertionError (naming it) when it changed."""
+
+    name: str
+    why: str
+    check: Callable[[], None]
+
+
+def _params(fn) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def _swaps() -> None:
+    import importlib
+
+    for mod, name, _ in SWAPS:
+        assert hasattr(importlib.import_module(mod), name), f"{mod}.{name}"
+    src = inspect.getsource(importlib.import_module("openrlhf.cli.train_ppo_ray"))
+    train = src[src.index("def train(args):") :]
+    assert (
+        train.index("ray.is_initialized()")
+        < train.index("get_strategy(args)")
+        < train.index("RayActorGroup(")
+    )
+    for needle in (
+        "from openrlhf.utils import get_strategy",
+        "from openrlhf.trainer.ray.ppo_actor import PolicyModelActor",
+        "ReferenceModelActor,",
+        "from openrlhf.utils.config import hierarchize",
+        "args = hierarchize(args)",
+    ):
+        assert needle in src, needle
+    from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
+
+    init = inspect.getsource(PolicyModelActor.__ray_actor_class__.init_model_from_pretrained)
+    assert "self.trainer = ActorPPOTrainer(" in init
+
+
+def _window() -> None:
+    from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+
+    src = inspect.getsource(ActorPPOTrainer.ppo_train)
+    for needle in (
+        "iter_grad_accum_global_norm(",
+        "self.strategy.accumulated_gradient",
+        "self.training_step(experience, kl_ctl, step, loss_batch_info)",
+        "((exp, None) for exp in pbar)",
+    ):
+        assert needle in src, needle
+
+
+def _training_step() -> None:
+    from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+
+    assert _params(ActorPPOTrainer.training_step) == [
+        "self",
+        "experience",
+        "kl_ctl",
+        "step",
+        "loss_batch_info",
+    ]
+    src = inspect.getsource(ActorPPOTrainer.training_step)
+    # The loss half reads the actor once and hands the loss to strategy.backward; the tail steps.
+    for needle in (
+        "self.actor(",
+        "self.strategy.backward(loss, self.actor, self.actor_optim)",
+        "self.strategy.optimizer_step(self.actor_optim, self.actor, self.actor_scheduler",
+        "self.strategy.moving_average(",
+        "self.strategy.get_grad_norm(self.actor)",
+        "self.replay_buffer.dynamic_optimizer_step[step]",
+        "output.entropy[:, -experience.action_mask.shape[1] :]",
+        'metrics["actor_lr"]',
+    ):
+        assert needle in src, needle
+
+
+def _actor_layout() -> None:
+    from openrlhf.models import Actor
+
+    src = inspect.getsource(Actor.forward)
+    # Positions count real tokens from 0; log-probs over the last num_actions columns, masked.
+    for needle in (
+        "position_ids = attention_mask.long().cumsum(-1) - 1",
+        "log_probs[:, -action_mask.shape[1] :] * action_mask.float()",
+        'output["logits"].div_(self.temperature)',
+    ):
+        assert needle in src, needle
+
+
+def _scoring() -> None:
+    from openrlhf.trainer.ray.launcher import ReferenceModelActor
+    from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
+
+    assert _params(PolicyModelActor.__ray_actor_class__.forward)[:4] == [
+        "self",
+        "sequences",
+        "action_mask",
+        "attention_mask",
+    ]
+    assert _params(ReferenceModelActor.__ray_actor_class__.forward)[:4] == [
+        "self",
+        "sequences",
+        "action_mask",
+        "attention_mask",
+    ]
+
+
+def _strategy() -> None:
+    from openrlhf.utils.deepspeed import DeepspeedStrategy
+
+    assert "model.backward(loss)" in inspect.getsource(DeepspeedStrategy.backward)
+    assert "model.step()" in inspect.getsource(DeepspeedStrategy.optimizer_step)
+
+
+PRIVATES: tuple[HostPrivate, ...] = (
+    HostPrivate("swaps", "the names SWAPS replaces exist and are looked up where the plugin expects", _swaps),
+    HostPrivate("window", "ppo_train groups micro-batches with iter_grad_accum_global_norm", _window),
+    HostPrivate(
+        "training_step",
+        "its loss half (actor, PolicyLoss, KL, entropy, strategy.backward) runs on tree leaves; its tail "
+        "(optimizer step, EMA, grad norm, lr) is mirrored by the plugin",
+        _training_step,
+    ),
+    HostPrivate("actor_layout", "Actor.forward's positions, log-prob columns and temperature", _actor_layout),
+    HostPrivate("scoring", "old and reference log-probs come through the actors' forward", _scoring),
+    HostPrivate("strategy", "DeepspeedStrategy.backward/optimizer_step call the engine's", _strategy),
+)
+
+
+def check() -> None:
+    """Check every entry of :data:`PRIVATES` (AssertionError naming the first that changed)."""
+    for entry in PRIVATES:
+        try:
+            entry.check()
+        except AssertionError as err:
+            raise AssertionError(f"OpenRLHF private {entry.name!r} changed ({entry.why}): {err}") from err

@@ -1,0 +1,126 @@
+"""forkrl's OpenRLHF flags (``--forkrl.<option>``, OpenRLHF's dotted style) and the setups they refuse.
+
+The flags are :class:`forkrl.core.train.TreeOptions`' fields (one definition for every host). The
+launcher parses them off the command line before OpenRLHF sees it (:func:`parse_flags`) and
+attaches them to OpenRLHF's arguments as ``args.forkrl`` (a namespace, like OpenRLHF's own
+``args.actor``), which reach every Ray actor through ``strategy.args``; :func:`options_from`
+reads them back there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+from forkrl.core.options import add_arguments
+from forkrl.core.train import TreeOptions
+
+__all__ = ["FLAG_PREFIX", "check_host_args", "flag_parser", "options_from", "parse_flags"]
+
+FLAG_PREFIX = "--forkrl."
+
+
+def flag_parser() -> argparse.ArgumentParser:
+    """The parser of forkrl's flags alone (its help is printed beside OpenRLHF's)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m forkrl.plugins.openrlhf.train_ppo_ray",
+        description="OpenRLHF's train_ppo_ray with forkrl: every OpenRLHF flag, plus these.",
+        add_help=False,
+        allow_abbrev=False,
+    )
+    add_arguments(parser, TreeOptions, prefix=FLAG_PREFIX)
+    return parser
+
+
+def parse_flags(argv: Sequence[str]) -> tuple[TreeOptions, list[str]]:
+    """Split ``argv`` into forkrl's options and the rest (OpenRLHF's flags, untouched).
+
+    Raises:
+        SystemExit: (argparse's usage error) for an unknown ``--forkrl.*`` flag, a bad value, or
+            contradictory options, naming the flag.
+    """
+    parser = flag_parser()
+    namespace, rest = parser.parse_known_args(list(argv))
+    unknown = [arg.split("=", 1)[0] for arg in rest if arg.startswith(FLAG_PREFIX)]
+    if unknown:
+        names = ", ".join(FLAG_PREFIX + f.name for f in dataclasses.fields(TreeOptions))
+        parser.error(f"unknown forkrl flag {unknown[0]}: forkrl's flags are {names}")
+    values = {f.name: getattr(namespace, FLAG_PREFIX[2:] + f.name) for f in dataclasses.fields(TreeOptions)}
+    try:
+        options = TreeOptions(**values)
+    except ValueError as err:
+        parser.error(f"forkrl flags: {err} (each option X is the flag {FLAG_PREFIX}X)")
+    return options, rest
+
+
+def attach(args: Any, options: TreeOptions) -> Any:
+    """Put ``options`` on OpenRLHF's (hierarchized) ``args`` as ``args.forkrl``."""
+    args.forkrl = SimpleNamespace(**dataclasses.asdict(options))
+    return args
+
+
+def options_from(args: Any) -> TreeOptions:
+    """forkrl's options from OpenRLHF's ``args`` (``strategy.args``); all off when absent."""
+    values = getattr(args, "forkrl", None)
+    return TreeOptions(**vars(values)) if values is not None else TreeOptions()
+
+
+def _get(args: Any, path: str, default: Any = None) -> Any:
+    node = args
+    for part in path.split("."):
+        node = getattr(node, part, None)
+        if node is None:
+            return default
+    return node
+
+
+def check_host_args(args: Any, options: TreeOptions) -> None:
+    """Refuse OpenRLHF settings that tree training cannot make exact (before anything starts).
+
+    Raises:
+        ValueError: naming the OpenRLHF flag and the alternative.
+    """
+    if not options.tree_enabled:
+        return
+    flag = "--forkrl.tree_packing" if options.tree_packing else "--forkrl.long_context_replay"
+    refusals = [
+        (
+            _get(args, "ds.zero_stage", 2) == 3,
+            "--ds.zero_stage 3 partitions the parameters, which forkrl's tree step does not gather yet: use "
+            "--ds.zero_stage 2 (or 1, 0)",
+        ),
+        (
+            (_get(args, "ds.ring_attn_size", 1) or 1) > 1,
+            "--ds.ring_attn_size > 1 splits each sequence over ranks: use --ds.ring_attn_size 1 (for long sequences "
+            "--forkrl.long_context_replay keeps memory bounded instead)",
+        ),
+        (
+            (_get(args, "ds.tensor_parallel_size", 1) or 1) > 1,
+            "--ds.tensor_parallel_size > 1 (DeepSpeed AutoTP) shards layers across ranks: use --ds.tensor_parallel_size 1",
+        ),
+        (
+            bool(_get(args, "train.dynamic_batch_enable", False))
+            and _get(args, "ds.zero_stage", 2) in (1, 2),
+            "--train.dynamic_batch_enable with --ds.zero_stage 1/2: OpenRLHF then runs DeepSpeed with "
+            "gradient_accumulation_steps=1 and steps once per window, and DeepSpeed 0.19's ZeRO-1/2 keeps only the "
+            "last backward's gradient before a step, so stock OpenRLHF drops all but each step's last micro-batch "
+            "and no tree step can equal that: use fixed micro-batches (drop --train.dynamic_batch_enable) or "
+            "--ds.zero_stage 0",
+        ),
+        (
+            _get(args, "ds.param_dtype", "bf16") == "fp16",
+            "--ds.param_dtype fp16 needs DeepSpeed's loss scaling inside every backward, and the tree's backwards run "
+            "outside DeepSpeed: use --ds.param_dtype bf16",
+        ),
+        (
+            (_get(args, "actor.aux_loss_coef", 0.0) or 0.0) > 1e-8,
+            "--actor.aux_loss_coef > 0 adds the MoE router load-balancing loss, which the tree does not compute yet: "
+            "use --actor.aux_loss_coef 0",
+        ),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ValueError(f"{flag}: {why}; or train without {flag}")

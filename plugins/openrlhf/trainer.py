@@ -1,0 +1,286 @@
+"""forkrl's ActorPPOTrainer: OpenRLHF's actor trainer with each optimizer step run as one prefix forest.
+
+OpenRLHF's ``ppo_train`` groups the replay buffer's micro-batches into optimizer-step windows
+(``iter_grad_accum_global_norm``: ``accumulated_gradient`` micro-batches sharing global loss
+normalisers; with dynamic batching, the buffer's ``dynamic_optimizer_step`` marks the ends) and
+calls ``training_step`` per micro-batch. Here, at a window's first micro-batch, the whole window
+becomes one forest (shared prompts found by tokens: the buffer's shuffle has scattered the groups)
+and :class:`forkrl.core.train.TreeStep` trains it:
+
+- the loss is OpenRLHF's own: ``ActorPPOTrainer.training_step`` runs per micro-batch with the actor
+  replaced by the tree's log-probs/entropies (leaves, ``[B, num_actions]``) and ``strategy.backward``
+  capturing the loss instead of running it (``PolicyLoss``, KL, entropy, ``aggregate_loss``, the
+  window's normalisers, its metrics: all unchanged);
+- the tree runs on an :class:`~forkrl.core.train.AliasReplica` of the DeepSpeed module (ZeRO 0-2:
+  whole parameters, aliased), so DeepSpeed's gradient hooks do not fire during the tree's many
+  backwards; then each micro-batch's ``training_step`` call backs a surrogate through DeepSpeed's own
+  ``engine.backward`` (the window's gradient at the first, zero at the others, so DeepSpeed's loss
+  scaling by ``1 / accumulated_gradient``, reduction and accumulation boundary run as in stock) and
+  steps exactly where stock steps.
+
+Old-policy and reference log-probs go through :func:`score_log_probs` (prefix-shared, no grad).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from openrlhf.trainer.ray import ppo_actor
+from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+
+from forkrl.core import RowLayout, TreeStep, UnsupportedModelError
+from forkrl.core.train import AliasReplica, world_size
+
+from . import compat
+from .options import check_host_args, options_from
+
+__all__ = ["TreeActorPPOTrainer", "score_log_probs", "tree_module"]
+
+
+def tree_module(actor: torch.nn.Module) -> torch.nn.Module:
+    """The module the tree runs: the transformers model inside the Actor's DeepSpeed engine."""
+    engine = compat.engine_of(actor)
+    return getattr(engine, "module", engine)
+
+
+def _layout(sequences: torch.Tensor, action_mask: torch.Tensor, attention_mask: torch.Tensor) -> RowLayout:
+    """OpenRLHF's rows: ``[B, T]`` sequences (real tokens one run per row), ``[B, num_actions]``
+    per-token tensors over the last ``num_actions`` columns, scored from the first action."""
+    return RowLayout.padded(sequences, attention_mask, int(action_mask.shape[1]), response_mask=action_mask)
+
+
+@torch.no_grad()
+def score_log_probs(
+    tree: TreeStep,
+    module: torch.nn.Module,
+    sequences: torch.Tensor,
+    action_mask: torch.Tensor,
+    attention_mask: torch.Tensor,
+) -> torch.Tensor:
+    """``Actor.forward``'s action log-probs, prefix-shared: ``[B, num_actions]``, zero where
+    ``action_mask`` is 0, on the CPU (as OpenRLHF's actors return them)."""
+    layout = _layout(sequences, action_mask, attention_mask)
+    was_training = module.training
+    module.eval()
+    try:
+        logps, _ = tree.score(module, layout)
+    finally:
+        module.train(was_training)
+    return (logps * action_mask.to(logps.device).float()).cpu()
+
+
+class _LeafActor:
+    """Stands in for the ``Actor`` inside OpenRLHF's loss code: returns the tree's leaves."""
+
+    def __init__(self, actor: torch.nn.Module, logps: torch.Tensor, entropies: torch.Tensor | None) -> None:
+        self._actor, self._logps, self._entropies = actor, logps, entropies
+
+    def __call__(self, sequences, action_mask, attention_mask=None, return_output=False, **kwargs):
+        if tuple(self._logps.shape) != tuple(action_mask.shape):
+            raise RuntimeError(
+                f"tree step: the loss asked for log-probs of shape {tuple(action_mask.shape)} but the micro-batch's "
+                f"leaves have {tuple(self._logps.shape)}"
+            )
+        logps = self._logps * action_mask.float()  # as Actor.forward returns them
+        # [B, num_actions] entropies: the host's [:, -num_actions:] slice of them is the identity.
+        output = SimpleNamespace(entropy=self._entropies)
+        return (logps, output) if return_output else logps
+
+    def train(self, mode: bool = True) -> _LeafActor:
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._actor, name)
+
+
+class _LossCapture:
+    """Stands in for the strategy inside OpenRLHF's loss code: keeps the loss, defers the rest."""
+
+    def __init__(self, strategy: Any) -> None:
+        self._strategy, self.loss = strategy, None
+
+    def backward(self, loss: torch.Tensor, model: Any, optimizer: Any, **kwargs: Any) -> None:
+        self.loss = loss
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def moving_average(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def get_grad_norm(self, model: Any) -> float:
+        return 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._strategy, name)
+
+
+class TreeActorPPOTrainer(ActorPPOTrainer):
+    """OpenRLHF's ``ActorPPOTrainer``; with ``--forkrl.tree_packing`` each optimizer step is one forest.
+
+    Built by OpenRLHF's ``PolicyModelActor`` in place of its own trainer (same arguments); forkrl's
+    options come from ``strategy.args.forkrl`` (attached by the launcher). Without them it is stock.
+    """
+
+    def __init__(self, strategy: Any, actor: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        super().__init__(strategy, actor, *args, **kwargs)
+        self.tree_options = options_from(strategy.args)
+        self.tree_step: TreeStep | None = None
+        self._window: list[tuple[Any, dict | None]] = []
+        self._window_start = 0
+        self._statuses: list[dict] = []
+        self._tree_metrics: dict[str, float] = {}
+        self._replica: AliasReplica | None = None
+        if self.tree_options.tree_enabled:
+            check_host_args(strategy.args, self.tree_options)
+            self.tree_step = TreeStep(
+                self.tree_options, temperature=float(getattr(actor, "temperature", 1.0))
+            )
+            self._check_setup()
+
+    def _check_setup(self) -> None:
+        flag = "--forkrl.tree_packing" if self.tree_options.tree_packing else "--forkrl.long_context_replay"
+        engine = compat.engine_of(self.actor)
+        if compat.zero_stage(engine) >= 3:
+            raise ValueError(
+                f"{flag}: the actor's DeepSpeed engine runs ZeRO-3, whose partitioned parameters forkrl's tree step "
+                f"does not gather yet: use --ds.zero_stage 2 (or 1, 0), or train without {flag}"
+            )
+        if getattr(self.actor, "is_vlm", False):
+            raise ValueError(f"{flag} supports text-only causal LMs; this actor is a vision-language model")
+        try:
+            self.tree_step.check_model(tree_module(self.actor))
+        except UnsupportedModelError as err:
+            raise UnsupportedModelError(f"{err}; or train without {flag}") from err
+
+    # ------------------------------------------------------------------ OpenRLHF hooks
+    def ppo_train(self, kl_ctl: float):
+        """OpenRLHF's loop; with tree training its optimizer-step windows are recorded as they form."""
+        if self.tree_step is None:
+            return super().ppo_train(kl_ctl)
+        host = ppo_actor.iter_grad_accum_global_norm
+
+        def windows(data_iter, strategy, accumulated_gradient, mask_fn) -> Iterator[tuple[Any, dict]]:
+            items = host(data_iter, strategy, accumulated_gradient, mask_fn)
+            gas = max(int(accumulated_gradient), 1)
+            while chunk := list(itertools.islice(items, gas)):  # the host yields whole windows of gas
+                self._window, self._window_start, self._statuses = chunk, -1, []
+                yield from chunk
+
+        with compat.swapped(ppo_actor, iter_grad_accum_global_norm=windows):
+            return super().ppo_train(kl_ctl)
+
+    def training_step(self, experience, kl_ctl: float, step: int, loss_batch_info: dict | None = None):
+        """OpenRLHF's step without tree training; otherwise micro-batch ``step`` of its window."""
+        if self.tree_step is None:
+            return super().training_step(experience, kl_ctl, step, loss_batch_info)
+        i = self._position(experience, step)
+        if i == 0:
+            self._train_window(kl_ctl)
+        return self._finish(i, step)
+
+    # ------------------------------------------------------------------ the window
+    def _position(self, experience: Any, step: int) -> int:
+        """Index of this micro-batch in its window (building the window under dynamic batching)."""
+        if self.args.train.dynamic_batch_enable:
+            ends = self.replay_buffer.dynamic_optimizer_step
+            if step == 0 or ends[step - 1]:
+                stop = next(j for j in range(step, len(ends)) if ends[j]) + 1
+                buffer = self.replay_buffer
+                self._window = [(buffer.collate_fn([buffer[j]]), None) for j in range(step, stop)]
+                self._window_start, self._statuses = step, []
+            if not self._window or not 0 <= step - self._window_start < len(self._window):
+                raise RuntimeError(
+                    f"tree step: micro-batch {step} is outside the recorded optimizer-step window"
+                )
+            return step - self._window_start
+        for i, (item, _) in enumerate(self._window):
+            if item is experience:
+                if i == 0:
+                    self._window_start = step
+                return i
+        raise RuntimeError(
+            "tree step: training_step was called with a micro-batch outside ppo_train's optimizer-step windows; "
+            "forkrl's trainer trains whole windows (call ppo_train)"
+        )
+
+    def _train_window(self, kl_ctl: float) -> None:
+        """Run the window's forest: OpenRLHF's loss per micro-batch on the leaves, one tree backward."""
+        self.actor.train()
+        module = tree_module(self.actor)
+        device = next(module.parameters()).device
+        window = self._window
+        for experience, _ in window:
+            experience.to_device(device)
+        layouts = [_layout(e.sequences, e.action_mask, e.attention_mask) for e, _ in window]
+        statuses: list[dict | None] = [None] * len(window)
+
+        def loss_fn(i: int, logps: torch.Tensor, entropies: torch.Tensor | None) -> torch.Tensor:
+            experience, info = window[i]
+            capture = _LossCapture(self.strategy)
+            with self._standing_in(_LeafActor(self.actor, logps, entropies), capture):
+                statuses[i] = ActorPPOTrainer.training_step(
+                    self, experience, kl_ctl, self._window_start + i, info
+                )
+            if capture.loss is None:
+                raise RuntimeError(
+                    "tree step: OpenRLHF's training_step did not hand a loss to strategy.backward"
+                )
+            return capture.loss
+
+        if self._replica is None or self._replica.model is not module:
+            self._replica = AliasReplica(module)
+        start = time.perf_counter()
+        with self._replica.gathered(grad=True) as plain:
+            result = self.tree_step.train(
+                plain,
+                layouts,
+                loss_fn,
+                loss_gradient="general",
+                entropy=self.args.actor.entropy_coef is not None,
+                gradient_checkpointing=bool(self.args.actor.gradient_checkpointing_enable),
+                lockstep=world_size() > 1,
+                device=device,
+            )
+        self._statuses = statuses
+        metrics = result.metrics.reduced(device).as_dict()
+        metrics["tree/step_time"] = time.perf_counter() - start
+        self._tree_metrics = metrics
+
+    @contextlib.contextmanager
+    def _standing_in(self, actor: _LeafActor, strategy: _LossCapture) -> Iterator[None]:
+        saved = self.actor, self.strategy
+        self.actor, self.strategy = actor, strategy
+        try:
+            yield
+        finally:
+            self.actor, self.strategy = saved
+
+    def _finish(self, i: int, step: int) -> dict:
+        """Micro-batch ``i``'s tail, as OpenRLHF's ``training_step`` ends: backward (the window's
+        gradient at the first micro-batch, zero after), optimizer step, EMA, grad norm, metrics."""
+        surrogate = self._replica.gradient_surrogate(zero=i > 0)
+        self.strategy.backward(surrogate, self.actor, self.actor_optim)
+        if i == len(self._window) - 1:
+            self._replica.clear()
+        dynamic = self.args.train.dynamic_batch_enable
+        is_step = not dynamic or bool(self.replay_buffer.dynamic_optimizer_step[step])
+        if is_step:
+            self.strategy.optimizer_step(self.actor_optim, self.actor, self.actor_scheduler, name="actor")
+            if self.ema_model:
+                self.strategy.moving_average(self.actor, self.ema_model, self.ema_beta, "cuda")
+        status = self._statuses[i]
+        metrics, weights = status["metrics"], status["weights"]
+        metrics["actor_lr"] = self.actor_scheduler.get_last_lr()[0]
+        if is_step:
+            metrics["actor_grad_norm"] = self.strategy.get_grad_norm(self.actor)
+            weights["actor_grad_norm"] = None
+        for key, value in self._tree_metrics.items():
+            metrics[key], weights[key] = value, "sample"
+        return status

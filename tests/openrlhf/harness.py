@@ -1,0 +1,206 @@
+"""Real OpenRLHF on the CPU: its ActorPPOTrainer (stock, or forkrl's subclass) around a real
+DeepSpeed ZeRO engine, fed experiences through its own replay buffer and ``ppo_train``.
+
+OpenRLHF assumes CUDA in a few places that have nothing to do with the training math; the test-only
+:func:`cpu` context covers them: ``torch.cuda.current_device()`` answers ``"cpu"`` (``ppo_train``
+moves experiences there), ``torch.cuda.set_device`` does nothing, the replay buffer's sampling
+device is the CPU, the trainer's barrier
+skips ``torch.cuda.synchronize``, and the strategy's device mesh is a CPU mesh. The arguments come
+from a real OpenRLHF command line parsed by OpenRLHF's own ``__main__`` (forkrl's dry run). The
+engine is DeepSpeed's, built from OpenRLHF's own DeepSpeed config (``get_ds_train_config``), in
+float32 (OpenRLHF's ``--ds.param_dtype`` allows bf16/fp16 only, whose rounding would hide the
+comparison) with torch's SGD as the optimizer, so the parameter change is the gradient itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Iterator
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+
+if not dist.is_initialized():
+    for key, value in dict(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
+        os.environ.setdefault(key, value)
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    dist.init_process_group("gloo")
+
+import deepspeed  # noqa: E402
+from openrlhf.models import Actor  # noqa: E402
+from openrlhf.trainer.ppo_utils import NaiveReplayBuffer  # noqa: E402
+from openrlhf.trainer.ppo_utils.experience import Experience  # noqa: E402
+from openrlhf.trainer.ray import ppo_actor  # noqa: E402
+from openrlhf.utils import get_strategy  # noqa: E402
+from openrlhf.utils.deepspeed import deepspeed as ds_module  # noqa: E402
+
+from forkrl.core.testing.models import byte_llama, byte_tokenizer, save_pretrained  # noqa: E402
+from forkrl.plugins.openrlhf.train_ppo_ray import parse_args  # noqa: E402
+from forkrl.plugins.openrlhf.trainer import TreeActorPPOTrainer  # noqa: E402
+
+
+class _CPUReplayBuffer(NaiveReplayBuffer):
+    def __init__(self, *args, **kwargs) -> None:
+        with mock.patch("torch.cuda.current_device", return_value=0):
+            super().__init__(*args, **kwargs)
+        self.target_device = torch.device("cpu")
+
+
+@contextlib.contextmanager
+def cpu() -> Iterator[None]:
+    """OpenRLHF's CUDA assumptions (outside the training math) pointed at the CPU."""
+    real_mesh = ds_module.init_device_mesh
+    with (
+        mock.patch("torch.cuda.current_device", return_value="cpu"),
+        mock.patch("torch.cuda.set_device"),
+        mock.patch.object(ppo_actor, "NaiveReplayBuffer", _CPUReplayBuffer),
+        mock.patch.object(ppo_actor, "torch_dist_barrier_and_cuda_sync", dist.barrier),
+        mock.patch.object(ds_module, "init_device_mesh", lambda _device, *a, **k: real_mesh("cpu", *a, **k)),
+    ):
+        yield
+
+
+def save_model(path) -> str:
+    return save_pretrained(byte_llama(0), byte_tokenizer(), path)
+
+
+def command(model_path: str, *extra: str, micro_batch: int = 2, batch: int = 8) -> list[str]:
+    """An OpenRLHF GRPO command line for the tiny model (vLLM engines named, as every real run has)."""
+    return [
+        "--actor.model_name_or_path", model_path, "--vllm.num_engines", "1", "--actor.num_gpus_per_node", "1",
+        "--ref.num_gpus_per_node", "1", "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "4",
+        "--rollout.micro_batch_size", "4", "--train.micro_batch_size", str(micro_batch), "--train.batch_size",
+        str(batch), "--algo.advantage.estimator", "group_norm", "--ds.zero_stage", "2", *extra,
+    ]  # fmt: skip
+
+
+def trainer(args, tree: bool, lr: float = 0.05, model: torch.nn.Module | None = None):
+    """Stock ``ActorPPOTrainer`` (``tree=False``) or forkrl's, built as ``PolicyModelActor`` builds
+    it, around a DeepSpeed engine of ``model`` (default: the byte Llama, seed 0)."""
+    strategy = get_strategy(args)
+    with cpu():
+        strategy.setup_distributed()
+    actor = Actor(model if model is not None else byte_llama(0), temperature=args.rollout.temperature)
+    # Actor sets packing_samples only when it loads the model itself. OpenRLHF's packed layout
+    # (--ds.packing_samples, forced on by --train.dynamic_batch_enable) needs flash-attention
+    # varlen, which forces attn_implementation=flash_attention_2 and whose kernels a CPU lacks: sdpa
+    # on a packed row is a different computation (3e-2 off). So the stock actor runs unpacked here,
+    # the same math as packed on a GPU; its packed layout is a GPU check.
+    actor.packing_samples = False
+    config = strategy.get_ds_train_config(max_norm=0.0)
+    config["bf16"] = {"enabled": False}
+    config.pop("fp16", None)
+    config["zero_allow_untested_optimizer"] = True
+    engine, optim, _, scheduler = deepspeed.initialize(
+        model=actor.model,
+        optimizer=torch.optim.SGD(actor.model.parameters(), lr=lr),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0),
+        config=config,
+    )
+    actor.model = engine
+    cls = TreeActorPPOTrainer if tree else ppo_actor.ActorPPOTrainer
+    if not tree:
+        args = _without_forkrl(args)
+        strategy.args = args
+    with cpu():
+        return cls(
+            strategy,
+            actor,
+            ema_model=None,
+            actor_optim=optim,
+            actor_scheduler=scheduler,
+            micro_train_batch_size=args.train.micro_batch_size,
+            tokenizer=None,
+            dataloader_pin_memory=False,
+            vllm_engines=None,
+        )
+
+
+def _without_forkrl(args):
+    import copy
+
+    args = copy.deepcopy(args)
+    if hasattr(args, "forkrl"):
+        del args.forkrl
+    return args
+
+
+def rollouts(
+    seed: int = 0, groups: int = 2, n: int = 4, prompt: int = 12, response: int = 7, vocab: int = 250
+):
+    """GRPO-shaped rollouts: ``groups`` prompts (sharing a system opening) with ``n`` responses each,
+    of varying lengths; some responses extend others, one repeats."""
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda k: torch.randint(0, vocab, (k,), generator=g).tolist()  # noqa: E731
+    system = rand(prompt // 2)
+    out = []
+    for q in range(groups):
+        p = system + rand(prompt - len(system) - q)
+        first = rand(response)
+        for k in range(n):
+            r = first[: 1 + (k * 3) % response] if k % 2 else rand(1 + (k * 5) % response)
+            out.append((p, r))
+    out[-1] = out[-2]
+    return out
+
+
+def experience(rows, seed: int = 0, kl: bool = True, per_token: bool = False) -> Experience:
+    """One rollout micro-batch as OpenRLHF's experience maker builds it: ``[left-padded prompt |
+    right-padded response]``, ``[B, num_actions]`` log-probs, advantages (per sequence, GRPO, or per
+    token, PPO/GAE), reference log-probs, and per-sample info."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    B = len(rows)
+    P = max(len(p) for p, _ in rows)
+    R = max(len(r) for _, r in rows)
+    seq = torch.zeros(B, P + R, dtype=torch.long)
+    att = torch.zeros_like(seq)
+    for b, (p, r) in enumerate(rows):
+        seq[b, P - len(p) : P], att[b, P - len(p) : P] = torch.tensor(p), 1
+        seq[b, P : P + len(r)], att[b, P : P + len(r)] = torch.tensor(r), 1
+    action = att[:, P:].bool()
+    adv = torch.randn(B, R, generator=g) if per_token else torch.randn(B, 1, generator=g).expand(B, R)
+    return Experience(
+        sequences=seq,
+        attention_mask=att,
+        action_mask=action,
+        action_log_probs=(torch.randn(B, R, generator=g) * 0.2 - 5.5) * action,
+        base_action_log_probs=((torch.randn(B, R, generator=g) * 0.2 - 5.5) * action) if kl else None,
+        advantages=adv * action,
+        response_length=action.sum(-1).float(),
+        total_length=att.sum(-1).float(),
+        info={"reward": torch.randn(B, generator=g)},
+    )
+
+
+def fill(t, experiences) -> None:
+    for e in experiences:
+        t.replay_buffer.append(_copy(e))
+
+
+def _copy(e: Experience) -> Experience:
+    import copy
+
+    return copy.deepcopy(e)
+
+
+def parameters(t) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in t.actor.model.module.named_parameters()}
+
+
+__all__ = [
+    "command",
+    "cpu",
+    "experience",
+    "fill",
+    "parameters",
+    "parse_args",
+    "rollouts",
+    "save_model",
+    "trainer",
+]

@@ -1,0 +1,36 @@
+"""benchmarks/openrlhf_step.py keeps running (python -m benchmarks.openrlhf_step, from the repo root), tiny setting."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_openrlhf_step_benchmark_runs():
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.openrlhf_step",
+        "--model",
+        "tiny",
+        "--P",
+        "64",
+        "--R",
+        "16",
+        "--steps",
+        "1",
+    ]
+    # This process may hold a one-rank gloo group (the other OpenRLHF tests): the benchmark starts its own.
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in launcher}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert any(line.startswith("| tree") for line in lines)
+    res = json.loads(lines[-1])
+    assert res["benchmark"] == "openrlhf_step" and res["param_agreement"] < 1e-4

@@ -1,0 +1,131 @@
+"""The launcher: OpenRLHF's real command line parsed by OpenRLHF's own __main__ with forkrl's flags
+taken off and attached; bad forkrl flags and refused OpenRLHF settings fail before Ray starts; the
+actor classes and options that reach Ray's workers are forkrl's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from forkrl.plugins.openrlhf import compat
+from forkrl.plugins.openrlhf.options import parse_flags
+
+from . import harness as h
+
+
+def test_contract():
+    compat.check()
+
+
+def test_real_command_line_parses_and_forkrl_flags_arrive():
+    args = h.parse_args(
+        h.command("some/model", "--forkrl.tree_packing", "--forkrl.tree_mode", "replay", "--forkrl.tree_block_size",
+                  "64", "--actor.entropy_coef", "0.01")
+    )  # fmt: skip
+    assert args.forkrl.tree_packing is True
+    assert args.forkrl.tree_mode == "replay" and args.forkrl.tree_block_size == 64
+    # OpenRLHF's own parsing and validation ran: its flags, and what its __main__ derives.
+    assert args.actor.model_name_or_path == "some/model" and args.actor.entropy_coef == 0.01
+    assert args.actor.eps_clip_low_high == (args.actor.eps_clip, args.actor.eps_clip)
+    assert args.critic.model_name_or_path is None  # group_norm has no critic
+    assert not hasattr(args, "forkrl.tree_packing")
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--forkrl.tree_pack"], "unknown forkrl flag --forkrl.tree_pack"),
+        (["--forkrl.tree_packing", "--forkrl.tree_mode", "fast"], "invalid choice: 'fast'"),
+        (["--forkrl.tree_mode", "keep"], "tree_mode set but tree_packing=False"),
+        (["--forkrl.long_context_replay", "--forkrl.tree_mode", "keep"], "contradicts tree_mode='keep'"),
+        (["--forkrl.tree_packing", "maybe"], "expected true or false"),
+    ],
+)
+def test_bad_forkrl_flags_are_usage_errors(capsys, argv, needle):
+    with pytest.raises(SystemExit) as info:
+        parse_flags(["--actor.model_name_or_path", "m", *argv])
+    assert info.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--ds.zero_stage", "3"], "--ds.zero_stage 3"),
+        (["--ds.ring_attn_size", "2", "--ds.packing_samples"], "--ds.ring_attn_size"),
+        (["--actor.aux_loss_coef", "0.01"], "--actor.aux_loss_coef"),
+        (["--ds.param_dtype", "fp16"], "--ds.param_dtype fp16"),
+        (
+            ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "64"],
+            "--train.dynamic_batch_enable",
+        ),
+    ],
+)
+def test_refused_openrlhf_settings_fail_before_ray(extra, needle):
+    argv = h.command("m", "--forkrl.tree_packing")
+    argv = [a for a in argv]
+    if "--ds.zero_stage" in extra:
+        i = argv.index("--ds.zero_stage")
+        del argv[i : i + 2]
+    with pytest.raises(SystemExit) as info:
+        h.parse_args([*argv, *extra])
+    assert needle in str(info.value.code) and "or train without --forkrl.tree_packing" in str(info.value.code)
+
+
+def test_help_lists_forkrl_and_openrlhf_flags():
+    out = subprocess.run(
+        [sys.executable, "-m", "forkrl.plugins.openrlhf.train_ppo_ray", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (
+        "--forkrl.tree_packing" in out.stdout and "Train the sequences of each optimizer step" in out.stdout
+    )
+    assert "--actor.model_name_or_path" in out.stdout
+
+
+def test_what_reaches_ray_workers_is_forkrl(tmp_path):
+    """Ray pickles actor classes by reference and ships the strategy (args) by value: in a fresh
+    process (as a Ray worker is), the policy class resolves to forkrl's, its trainer is forkrl's
+    during ``init_model_from_pretrained``, and the strategy carries forkrl's options."""
+    from ray import cloudpickle
+
+    from forkrl.plugins.openrlhf import actors
+
+    args = h.parse_args(h.command("m", "--forkrl.tree_packing", "--forkrl.tree_mode", "keep"))
+    payload = tmp_path / "payload.pkl"
+    strategy = h.get_strategy(args)
+    payload.write_bytes(cloudpickle.dumps((actors.PolicyModelActor.__ray_actor_class__, strategy)))
+    script = textwrap.dedent(
+        f"""
+        import pickle, sys
+        from unittest import mock
+        cls, strategy = pickle.loads(open({str(payload)!r}, "rb").read())
+        from openrlhf.trainer.ray import ppo_actor
+        from forkrl.plugins.openrlhf.options import options_from
+        from forkrl.plugins.openrlhf.trainer import TreeActorPPOTrainer
+        seen = []
+        host = cls.__mro__[1]
+        with mock.patch.object(host, "init_model_from_pretrained", lambda self, *a, **k: seen.append(ppo_actor.ActorPPOTrainer)):
+            cls.init_model_from_pretrained(object.__new__(cls), strategy, "m")
+        assert cls.__module__ == "forkrl.plugins.openrlhf.actors", cls.__module__
+        assert seen == [TreeActorPPOTrainer], seen
+        assert ppo_actor.ActorPPOTrainer is not TreeActorPPOTrainer  # restored after
+        o = options_from(strategy.args)
+        assert o.tree_packing and o.tree_mode == "keep", o
+        print("ok")
+        """
+    )
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
