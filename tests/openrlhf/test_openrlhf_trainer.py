@@ -191,3 +191,45 @@ def test_deepspeed_zero2_keeps_only_the_last_backward_without_accumulation():
         updates[stage] = (w0 - m.weight.detach()).flatten().tolist()
     assert updates[0] == pytest.approx([1.0, 1.0, 0.0, 0.0], abs=1e-5)
     assert updates[2] == pytest.approx([0.0, 1.0, 0.0, 0.0], abs=1e-5)
+
+
+def test_policy_and_reference_actors_tree_score_like_openrlhf():
+    """forkrl's Ray actor classes (their forward, as Ray runs it in the worker) against OpenRLHF's:
+    old-policy log-probs from the policy actor, reference log-probs from the reference actor."""
+    from openrlhf.trainer.ray.launcher import ReferenceModelActor
+    from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
+
+    from forkrl.core import TreeStep
+    from forkrl.plugins.openrlhf import actors
+
+    args = h.parse_args(h.command("unused", "--rollout.temperature", "0.9", "--forkrl.tree_packing"))
+    t = h.trainer(args, tree=True)
+    e = h.experience(h.rollouts(seed=5), seed=5)
+    inputs = (e.sequences, e.action_mask, e.attention_mask)
+
+    def policy(cls):
+        a = object.__new__(cls)
+        a.actor, a.trainer, a.strategy = t.actor, t, t.strategy
+        return a
+
+    def reference(cls):
+        a = object.__new__(cls)
+        a.model, a.strategy = t.actor, t.strategy
+        a.tree_step = TreeStep(t.tree_options, temperature=t.actor.temperature)
+        return a
+
+    with h.cpu():
+        for host, ours in (
+            (policy(PolicyModelActor.__ray_actor_class__), policy(actors.TreePolicyModelActor)),
+            (reference(ReferenceModelActor.__ray_actor_class__), reference(actors.TreeReferenceModelActor)),
+        ):
+            want, got = host.forward(*inputs), ours.forward(*inputs)
+            assert got.device.type == "cpu" and got.shape == want.shape
+            assert max_rel_err([got], [want]) < 1e-5
+    # Without tree training the actors are OpenRLHF's (no tree scorer is used).
+    plain = reference(actors.TreeReferenceModelActor)
+    plain.tree_step = None
+    with h.cpu():
+        assert torch.equal(
+            plain.forward(*inputs), reference(ReferenceModelActor.__ray_actor_class__).forward(*inputs)
+        )
