@@ -144,10 +144,16 @@ class AliasReplica:
     Args:
         model: the module the engine trains (a transformers causal LM, a PEFT model, ...), with
             whole (unpartitioned) parameters.
+        accumulate_dtype: accumulate the tree's gradient in this dtype where parameters are of a
+            narrower floating dtype (e.g. ``torch.float32`` for bf16 parameters, as DeepSpeed
+            accumulates micro-batches in fp32): each unit's gradient is added to an fp32 buffer as
+            autograd produces it, so the step's gradient is rounded to the parameter dtype once, in
+            the surrogate's backward, instead of once per unit. None: the parameter dtype.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, accumulate_dtype: torch.dtype | None = None) -> None:
         self.model = model
+        self.accumulate_dtype = accumulate_dtype
         self.locations = list(model.named_parameters(remove_duplicate=False))
         memo: dict[int, object] = {id(b): b for _, b in model.named_buffers(remove_duplicate=False)}
         for _, p in self.locations:
@@ -163,26 +169,54 @@ class AliasReplica:
         """The replica holding the model's parameters (aliased); with ``grad``, their gradients
         are kept in :attr:`grads` (by parameter id) on exit."""
         aliases: dict[int, nn.Parameter] = {}
+        wide: dict[int, torch.Tensor] = {}
+        hooks = []
         for name, p in self.locations:
             leaf = aliases.get(id(p))
             if leaf is None:
                 leaf = aliases[id(p)] = nn.Parameter(p.detach(), requires_grad=grad and p.requires_grad)
+                if leaf.requires_grad and self._widens(leaf):
+                    hooks.append(leaf.register_post_accumulate_grad_hook(self._accumulator(id(p), wide)))
             compat.set_tensor(self.replica, name, leaf, parameter=True)
         self.replica.train(self.model.training)
         try:
             yield self.replica
             if grad:
                 self.grads = {key: leaf.grad for key, leaf in aliases.items() if leaf.grad is not None}
+                self.grads.update(wide)
         finally:
+            for hook in hooks:
+                hook.remove()
             for name, placeholder in self._placeholders.items():
                 compat.set_tensor(self.replica, name, placeholder, parameter=True)
+
+    def _widens(self, p: torch.Tensor) -> bool:
+        wider = self.accumulate_dtype
+        return (
+            wider is not None
+            and p.is_floating_point()
+            and torch.finfo(p.dtype).bits < torch.finfo(wider).bits
+        )
+
+    def _accumulator(self, key: int, wide: dict[int, torch.Tensor]):
+        dtype = self.accumulate_dtype
+
+        def add(leaf: torch.Tensor) -> None:
+            if key in wide:
+                wide[key].add_(leaf.grad)
+            else:
+                wide[key] = leaf.grad.to(dtype)
+            leaf.grad = None
+
+        return add
 
     def gradient_surrogate(self, zero: bool = False) -> torch.Tensor:
         """A scalar (value 0) whose gradient w.r.t. each trainable model parameter is its gradient
         in :attr:`grads` (zero where it has none, or everywhere with ``zero``).
 
         Backward it through the engine (``engine.backward(surrogate)``) to give the engine the tree
-        step's gradient as if the host's own backward had produced it.
+        step's gradient as if the host's own backward had produced it. A gradient kept in a wider
+        dtype (``accumulate_dtype``) is rounded to the parameter's dtype there, once.
         """
         terms = []
         seen: set[int] = set()
@@ -192,7 +226,7 @@ class AliasReplica:
             seen.add(id(p))
             g = None if zero else self.grads.get(id(p))
             delta = p - p.detach()  # value 0, gradient 1
-            terms.append((delta * g).sum() if g is not None else (delta * 0).sum())
+            terms.append((delta.to(g.dtype) * g).sum() if g is not None else (delta * 0).sum())
         if not terms:
             raise ValueError("the model has no trainable parameters: nothing to hand to the engine")
         return torch.stack([t.float() for t in terms]).sum()

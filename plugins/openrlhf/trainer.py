@@ -235,7 +235,8 @@ class TreeActorPPOTrainer(ActorPPOTrainer):
             return capture.loss
 
         if self._replica is None or self._replica.model is not module:
-            self._replica = AliasReplica(module)
+            # DeepSpeed accumulates micro-batches in fp32 for bf16 parameters; the tree does too.
+            self._replica = AliasReplica(module, accumulate_dtype=torch.float32)
         start = time.perf_counter()
         with self._replica.gathered(grad=True) as plain:
             result = self.tree_step.train(

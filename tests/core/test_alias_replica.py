@@ -73,3 +73,27 @@ def test_alias_replica_hands_over_the_exact_gradient_without_firing_hooks(tied):
         assert max_rel_err(grads(model), before) == 0.0
         # Between steps the replica holds no parameters of its own (meta placeholders).
         assert all(p.is_meta for p in replica.replica.parameters())
+
+
+def test_wider_accumulation_keeps_every_unit_once():
+    """accumulate_dtype: each unit's gradient goes into a wider buffer as autograd produces it (none
+    lost, none counted twice), and the surrogate rounds the sum to the parameter dtype once."""
+    rows, layout, cmask = _rows()
+
+    def loss_fn(i, lp, ent):
+        return -(lp * cmask).sum() / cmask.sum() - 0.01 * (ent * cmask).sum()
+
+    results = {}
+    for wide in (None, torch.float64):
+        model = tiny_causal_lm("llama-gqa").float()
+        model.train()
+        replica = AliasReplica(model, accumulate_dtype=wide)
+        with replica.gathered(grad=True) as plain:
+            TreeStep(TreeOptions(tree_packing=True)).train(plain, [layout], loss_fn, loss_gradient="general")
+            if wide is not None:
+                assert all(p.grad is None for p in plain.parameters())  # moved into the wide buffers
+        assert all(g.dtype == (wide or torch.float32) for g in replica.grads.values())
+        replica.gradient_surrogate().backward()
+        assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+        results[wide] = grads(model)
+    assert max_rel_err(results[torch.float64], results[None]) < 1e-6

@@ -80,9 +80,10 @@ def command(model_path: str, *extra: str, micro_batch: int = 2, batch: int = 8) 
     ]  # fmt: skip
 
 
-def trainer(args, tree: bool, lr: float = 0.05, model: torch.nn.Module | None = None):
+def trainer(args, tree: bool, lr: float = 0.05, model: torch.nn.Module | None = None, bf16: bool = False):
     """Stock ``ActorPPOTrainer`` (``tree=False``) or forkrl's, built as ``PolicyModelActor`` builds
-    it, around a DeepSpeed engine of ``model`` (default: the byte Llama, seed 0)."""
+    it, around a DeepSpeed engine of ``model`` (default: the byte Llama, seed 0); float32 unless
+    ``bf16`` (DeepSpeed's bf16 mode, OpenRLHF's default ``--ds.param_dtype``)."""
     strategy = get_strategy(args)
     with cpu():
         strategy.setup_distributed()
@@ -93,8 +94,12 @@ def trainer(args, tree: bool, lr: float = 0.05, model: torch.nn.Module | None = 
     # on a packed row is a different computation (3e-2 off). So the stock actor runs unpacked here,
     # the same math as packed on a GPU; its packed layout is a GPU check.
     actor.packing_samples = False
+    if args.actor.gradient_checkpointing_enable:  # as PolicyModelActor.init_model_from_pretrained does
+        actor.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": args.actor.gradient_checkpointing_reentrant}
+        )
     config = strategy.get_ds_train_config(max_norm=0.0)
-    config["bf16"] = {"enabled": False}
+    config["bf16"] = {"enabled": bf16}
     config.pop("fp16", None)
     config["zero_allow_untested_optimizer"] = True
     engine, optim, _, scheduler = deepspeed.initialize(

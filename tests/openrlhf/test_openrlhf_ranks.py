@@ -1,0 +1,66 @@
+"""Two gloo ranks under DeepSpeed ZeRO-2: the ranks hold different forests (rank 0 GRPO groups that
+share prompts, rank 1 rows that share nothing, so their trees have different numbers of units) and
+forkrl's update still equals OpenRLHF's own on every rank. Nothing collective runs inside a tree
+step (it trains an aliasing replica); DeepSpeed's reduction runs once per micro-batch, as in stock,
+in the same order on every rank. A hang fails by the timeout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_SCRIPT = r"""
+import sys
+sys.path.insert(0, {root!r})
+import torch, torch.distributed as dist
+from tests.openrlhf import harness as h
+from tests.openrlhf.test_openrlhf_trainer import _agreement, _run
+rank = dist.get_rank()
+g = torch.Generator().manual_seed(7)
+rand = lambda n: torch.randint(0, 250, (n,), generator=g).tolist()
+def rows(seed):
+    if rank == 0:
+        return h.rollouts(seed=seed)
+    return [([k] + rand(5 + k % 3), rand(2 + k % 4)) for k in range(8)]  # nothing shared
+rounds = [[h.experience(rows(10 * r + k), seed=100 * rank + 10 * r + k) for k in range(2)] for r in range(2)]
+args = h.parse_args(h.command("unused", "--actor.entropy_coef", "0.01", "--forkrl.tree_packing"))
+stock, s_status = _run(args, tree=False, rounds=rounds, kl_ctl=0.0)
+tree, t_status = _run(args, tree=True, rounds=rounds, kl_ctl=0.0)
+change, rel = _agreement(stock, tree)
+loss_s, loss_t = s_status[-1]["policy_loss"], t_status[-1]["policy_loss"]
+line = f"RANK {{rank}} REL {{rel:.3e}} CHANGE {{change:.3e}} LOSS {{loss_s:.6f}} {{loss_t:.6f}} GAS {{stock.strategy.accumulated_gradient}}"
+lines = [None] * dist.get_world_size()
+dist.all_gather_object(lines, line)
+if rank == 0:  # one writer: the ranks' prints would interleave
+    print("\n".join(lines), flush=True)
+"""
+
+
+def test_two_ranks_equal_stock(tmp_path):
+    script = tmp_path / "ranks.py"
+    script.write_text(_SCRIPT.format(root=str(ROOT)))
+    # This process may hold a one-rank gloo group (the other OpenRLHF tests): torchrun's ranks get their own.
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in launcher} | {"OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(script),
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-4000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RANK")]
+    assert len(lines) == 2, out.stdout[-2000:]
+    for line in lines:
+        fields = line.split()
+        assert float(fields[3]) < 1e-5 and float(fields[5]) > 1e-2, line
+        assert abs(float(fields[7]) - float(fields[8])) < 1e-5 * max(1.0, abs(float(fields[7]))), line
+        assert fields[10] == "2", line  # 8 rows per step over 2 ranks of micro-batches of 2
