@@ -54,3 +54,10 @@ def test_long_context_benchmark():
 def test_trl_step_benchmark(extra):
     res = _run("trl_step", "--model", "tiny", "--P", "64", "--R", "16", "--G", "4", "--steps", "1", *extra)
     assert res["benchmark"] == "trl_step" and res["grad_agreement"] < 1e-4
+
+
+def test_balance_sim_benchmark():
+    res = _run("balance_sim", "--ranks", "8", "--shapes", "grpo,multiturn", "--groups-per-rank", "2")
+    assert res["benchmark"] == "balance_sim" and len(res["rows"]) == 2
+    for row in res["rows"]:
+        assert 1.0 <= row["tree"] <= row["length"] and row["tree_vs_length"] < 1.0

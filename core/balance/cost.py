@@ -1,0 +1,90 @@
+"""What a piece of a forest costs to train, predicted from its shape, with a model fitted to timings.
+
+A piece is a set of root-to-leaf paths of one tree (a GRPO group, a multi-turn tree, or part of one);
+training it computes the union of its paths' nodes once. Three figures describe that work:
+
+- ``tokens``: unique tokens (linear layers, MLP, head: cost per token);
+- ``attended``: query-key pairs of causal attention over the piece, ``sum_nodes L * start + L * (L + 1) / 2``
+  for a node of ``L`` tokens starting at absolute position ``start`` (each query attends its ancestors);
+- ``units``: nodes (per-forward/backward overhead).
+
+:class:`CostModel` predicts seconds as ``per_token * tokens + per_attended * attended + per_unit * units``,
+with non-negative coefficients fitted by least squares to measured (shape, seconds) pairs
+(:meth:`CostModel.fit`): on the machine at start or from the first steps, not guessed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CostModel", "PieceStats"]
+
+
+@dataclass(frozen=True)
+class PieceStats:
+    """Shape figures of one piece (or a sum of pieces)."""
+
+    tokens: float = 0.0
+    attended: float = 0.0
+    units: float = 0.0
+
+    def __add__(self, other: PieceStats) -> PieceStats:
+        return PieceStats(
+            self.tokens + other.tokens, self.attended + other.attended, self.units + other.units
+        )
+
+    def features(self) -> tuple[float, float, float]:
+        return (self.tokens, self.attended, self.units)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Predicted seconds of a piece: a non-negative linear model of its :class:`PieceStats`.
+
+    The default (one unit of cost per token) is the token-count model a host without timings uses.
+    """
+
+    per_token: float = 1.0
+    per_attended: float = 0.0
+    per_unit: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("per_token", "per_attended", "per_unit"):
+            value = getattr(self, name)
+            if not (value >= 0.0 and value < float("inf")):
+                raise ValueError(f"CostModel.{name}={value!r} must be a finite number >= 0")
+
+    def predict(self, stats: PieceStats) -> float:
+        return (
+            self.per_token * stats.tokens + self.per_attended * stats.attended + self.per_unit * stats.units
+        )
+
+    @classmethod
+    def fit(cls, shapes: Sequence[PieceStats], seconds: Sequence[float]) -> CostModel:
+        """Least squares with non-negative coefficients (features with a negative coefficient are
+        dropped and the rest refitted, until all are >= 0).
+
+        Raises:
+            ValueError: with fewer samples than features, or non-finite or negative timings.
+        """
+        if len(shapes) != len(seconds) or len(shapes) < 3:
+            raise ValueError(
+                f"CostModel.fit needs at least 3 (shape, seconds) pairs of equal count, got {len(shapes)}"
+            )
+        y = torch.tensor([float(s) for s in seconds], dtype=torch.float64)
+        if not torch.isfinite(y).all() or (y < 0).any():
+            raise ValueError("CostModel.fit: timings must be finite and >= 0")
+        x = torch.tensor([s.features() for s in shapes], dtype=torch.float64)
+        scale = x.abs().amax(0).clamp(min=1e-30)  # conditioning: features differ by orders of magnitude
+        active = [j for j in range(3) if float(scale[j]) > 1e-30]
+        coef = torch.zeros(3, dtype=torch.float64)
+        while active:
+            sol = torch.linalg.lstsq(x[:, active] / scale[active], y[:, None]).solution[:, 0] / scale[active]
+            if (sol >= 0).all():
+                coef[active] = sol
+                break
+            active = [j for j, c in zip(active, sol.tolist(), strict=True) if c > 0]
+        return cls(*(float(c) for c in coef))

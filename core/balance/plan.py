@@ -1,0 +1,277 @@
+"""Tree-aware data-parallel balancing: assign one step's sequences to ranks by predicted tree cost.
+
+Length-based balancing (veRL's ``_balance_batch``: Karmarkar-Karp on sequence lengths) spreads a
+GRPO group's rows over ranks, and every rank holding part of a group recomputes its shared prompt;
+a tree's cost is not the sum of its rows' lengths. Here the unit of assignment is a tree (the rows
+that share a root), kept whole unless it costs more than a rank's fair share, in which case its
+leaves are cut into consecutive runs (pre-order, so leaves sharing deeper prefixes stay together),
+each run paying for its own copy of the shared prefix. Pieces go to ranks largest first, each to
+the least-loaded rank that has room for its rows (``rows_per_rank``: hosts whose ranks must hold
+equal row counts); then pieces of equal row counts are swapped between the slowest rank and the
+lightest ones while that lowers the slowest rank.
+
+The assignment changes which rank computes which rows, not what is computed: the step's gradient
+is the same whenever the host's loss normalisation is global (token-mean over the step, as
+OpenRLHF's and veRL's windows are), and hosts whose normalisation depends on the batch composition
+must compute it on the original composition.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..tree import PrefixForest
+from .cost import CostModel, PieceStats
+
+__all__ = ["BalancePlan", "Tree", "balance", "evaluate", "rows_bound", "trees_of_forest"]
+
+#: A tree costing more than this fraction of a rank's fair share is cut into pieces.
+SPLIT_SHARE = 1.0
+
+
+@dataclass
+class Tree:
+    """One tree of a forest: its nodes (``lengths``, absolute ``starts``, ``parent``) and, per
+    sequence ending in it, the node path from the root (``paths[k]`` for sequence ``ids[k]``)."""
+
+    lengths: list[int]
+    starts: list[int]
+    parent: list[int]
+    ids: list[int]
+    paths: list[list[int]]
+
+    def stats(self, leaves: Sequence[int] | None = None) -> PieceStats:
+        """The piece of the union of the paths ``leaves`` (indices into ``ids``; all by default)."""
+        chosen = range(len(self.ids)) if leaves is None else leaves
+        nodes = {n for k in chosen for n in self.paths[k]}
+        tokens = attended = 0.0
+        for n in nodes:
+            length, start = self.lengths[n], self.starts[n]
+            tokens += length
+            attended += length * start + length * (length + 1) / 2
+        return PieceStats(tokens, attended, float(len(nodes)))
+
+
+def trees_of_forest(forest: PrefixForest) -> list[Tree]:
+    """The forest's trees (one per root), sequences identified by their index in the forest."""
+    local: dict[int, tuple[int, int]] = {}  # node -> (tree, local index)
+    trees: list[Tree] = []
+    for node in forest.nodes:  # parents come before children
+        if node.parent < 0:
+            trees.append(Tree([], [], [], [], []))
+            t = len(trees) - 1
+            parent = -1
+        else:
+            t, parent = local[node.parent]
+        tree = trees[t]
+        local[node.index] = (t, len(tree.lengths))
+        tree.lengths.append(len(node.tokens))
+        tree.starts.append(node.start)
+        tree.parent.append(parent)
+    for s, path in enumerate(forest.paths):
+        t = local[path[0]][0]
+        trees[t].ids.append(s)
+        trees[t].paths.append([local[n][1] for n in path])
+    return trees
+
+
+@dataclass
+class BalancePlan:
+    """Per rank, the sequence ids it trains; its predicted costs; the bound no plan beats."""
+
+    ranks: list[list[int]]
+    costs: list[float]
+    lower_bound: float
+    split_trees: int
+    seconds: float = 0.0
+    pieces: list[tuple[int, list[int]]] = field(default_factory=list)
+
+    @property
+    def makespan(self) -> float:
+        return max(self.costs)
+
+    @property
+    def makespan_ratio(self) -> float:
+        """Slowest rank over the lower bound (1.0 is optimal)."""
+        return self.makespan / self.lower_bound if self.lower_bound > 0 else 1.0
+
+
+def _lower_bound(trees: Sequence[Tree], model: CostModel, num_ranks: int) -> float:
+    """max(total tree cost / ranks, the costliest single row): no plan does better."""
+    whole = sum(model.predict(t.stats()) for t in trees)
+    single = max(model.predict(t.stats([k])) for t in trees for k in range(len(t.ids)))
+    return max(whole / num_ranks, single)
+
+
+def rows_bound(trees: Sequence[Tree], model: CostModel, rows_per_rank: int) -> float:
+    """A lower bound under equal row counts: the rank holding the costliest row also holds
+    ``rows_per_rank - 1`` others, each adding at least its own last node (0 for a row whose last
+    node ends other rows too)."""
+    paths, margins = [], []
+    for t in trees:
+        ends: dict[int, int] = {}
+        for path in t.paths:
+            ends[path[-1]] = ends.get(path[-1], 0) + 1
+        for path in t.paths:
+            n = path[-1]
+            leaf = PieceStats(
+                t.lengths[n], t.lengths[n] * t.starts[n] + t.lengths[n] * (t.lengths[n] + 1) / 2, 1.0
+            )
+            paths.append(model.predict(t.stats([t.paths.index(path)])))
+            margins.append(model.predict(leaf) if ends[n] == 1 else 0.0)
+    others = rows_per_rank - 1
+    order = sorted(margins)
+    low, low_plus = sum(order[:others]), sum(order[: others + 1])
+    cutoff = order[others - 1] if others > 0 else float("-inf")
+    return max(c + (low_plus - m if m <= cutoff else low) for c, m in zip(paths, margins, strict=True))
+
+
+def _cut(tree: Tree, model: CostModel, parts: int) -> list[list[int]]:
+    """Consecutive runs of the tree's leaves (pre-order) of about equal cost, ``parts`` of them."""
+    order = sorted(range(len(tree.ids)), key=lambda k: tree.paths[k])
+    target = model.predict(tree.stats()) / parts
+    runs: list[list[int]] = [[]]
+    for k in order:
+        if runs[-1] and len(runs) < parts and model.predict(tree.stats(runs[-1] + [k])) > target:
+            runs.append([])
+        runs[-1].append(k)
+    return runs
+
+
+def _pieces(
+    trees: Sequence[Tree], model: CostModel, num_ranks: int
+) -> tuple[list[tuple[int, list[int]]], int]:
+    fair = sum(model.predict(t.stats()) for t in trees) / num_ranks
+    pieces, split = [], 0
+    for i, tree in enumerate(trees):
+        cost = model.predict(tree.stats())
+        parts = min(len(tree.ids), math.ceil(cost / (fair * SPLIT_SHARE))) if fair > 0 else 1
+        if parts > 1:
+            split += 1
+            pieces.extend((i, run) for run in _cut(tree, model, parts))
+        else:
+            pieces.append((i, list(range(len(tree.ids)))))
+    return pieces, split
+
+
+def balance(
+    trees: Sequence[Tree],
+    num_ranks: int,
+    model: CostModel | None = None,
+    rows_per_rank: int | None = None,
+) -> BalancePlan:
+    """Assign the trees' sequences to ``num_ranks`` ranks, minimising the slowest rank's predicted cost.
+
+    Args:
+        trees: one step's trees (:func:`trees_of_forest` of the step's forest).
+        num_ranks: data-parallel ranks.
+        model: the cost model (default: one unit per token).
+        rows_per_rank: every rank must get exactly this many sequences (hosts with fixed
+            micro-batches); None: any number.
+
+    Raises:
+        ValueError: when ``rows_per_rank * num_ranks`` is not the number of sequences.
+    """
+    start = time.perf_counter()
+    model = model or CostModel()
+    total_rows = sum(len(t.ids) for t in trees)
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks={num_ranks} must be >= 1")
+    if rows_per_rank is not None and rows_per_rank * num_ranks != total_rows:
+        raise ValueError(
+            f"rows_per_rank={rows_per_rank} x {num_ranks} ranks != {total_rows} sequences: every rank must get the "
+            "same number of rows, so the step's rows must divide evenly"
+        )
+    pieces, split = _pieces(trees, model, num_ranks)
+    capacity = [rows_per_rank if rows_per_rank is not None else total_rows] * num_ranks
+    cost = {id(p): model.predict(trees[p[0]].stats(p[1])) for p in pieces}
+    queue = sorted(pieces, key=lambda p: -cost[id(p)])
+    loads = [0.0] * num_ranks
+    assigned: list[list[tuple[int, list[int]]]] = [[] for _ in range(num_ranks)]
+    heap = [(0.0, r) for r in range(num_ranks)]
+    while queue:
+        piece = queue.pop(0)
+        rows = len(piece[1])
+        skipped = []
+        while heap and capacity[heap[0][1]] < rows:
+            skipped.append(heapq.heappop(heap))
+        if not heap:  # no rank has room for the whole piece: split off what the emptiest can take
+            for item in skipped:
+                heapq.heappush(heap, item)
+            r = max(range(num_ranks), key=lambda q: (capacity[q], -loads[q]))
+            head, tail = (piece[0], piece[1][: capacity[r]]), (piece[0], piece[1][capacity[r] :])
+            cost[id(head)] = model.predict(trees[head[0]].stats(head[1]))
+            cost[id(tail)] = model.predict(trees[tail[0]].stats(tail[1]))
+            queue[:0] = [head, tail]
+            continue
+        load, r = heapq.heappop(heap)
+        for item in skipped:
+            heapq.heappush(heap, item)
+        assigned[r].append(piece)
+        capacity[r] -= rows
+        loads[r] = load + cost[id(piece)]
+        heapq.heappush(heap, (loads[r], r))
+    _refine(assigned, loads, cost)
+    plan = evaluate(trees, _ids(trees, assigned), model)
+    plan.split_trees, plan.pieces = split, pieces
+    plan.seconds = time.perf_counter() - start
+    return plan
+
+
+def _best_swap(assigned, loads, cost, top: int, candidates: list[int]):
+    """The swap of a piece of rank ``top`` with an equal-row piece of a candidate rank that lowers
+    the larger of the two loads the most: (gain, index in top, rank, index there), or None."""
+    best = None
+    for i, p in enumerate(assigned[top]):
+        for q in candidates:
+            for j, o in enumerate(assigned[q]):
+                delta = cost[id(p)] - cost[id(o)]
+                if delta <= 0 or len(p[1]) != len(o[1]):
+                    continue
+                worst = max(loads[top] - delta, loads[q] + delta)
+                gain = loads[top] - worst
+                if gain > 1e-12 * loads[top] and (best is None or gain > best[0]):
+                    best = (gain, i, q, j)
+    return best
+
+
+def _refine(assigned, loads, cost, lightest: int = 512) -> None:
+    """Swap pieces of equal row counts between the most loaded rank and the lightest ranks while
+    that lowers the slowest rank (row counts per rank are unchanged)."""
+    for _ in range(4 * len(assigned)):
+        top = max(range(len(loads)), key=loads.__getitem__)
+        candidates = sorted((r for r in range(len(loads)) if r != top), key=loads.__getitem__)[:lightest]
+        best = _best_swap(assigned, loads, cost, top, candidates)
+        if best is None:
+            return
+        _, i, q, j = best
+        p, o = assigned[top][i], assigned[q][j]
+        assigned[top][i], assigned[q][j] = o, p
+        delta = cost[id(p)] - cost[id(o)]
+        loads[top] -= delta
+        loads[q] += delta
+
+
+def _ids(trees: Sequence[Tree], assigned) -> list[list[int]]:
+    return [[trees[t].ids[k] for t, run in rank for k in run] for rank in assigned]
+
+
+def evaluate(
+    trees: Sequence[Tree], ranks: Sequence[Sequence[int]], model: CostModel | None = None
+) -> BalancePlan:
+    """The predicted cost of any assignment of sequence ids to ranks (a rank holding part of a tree
+    computes the union of its paths; several parts of one tree on one rank share their prefix)."""
+    model = model or CostModel()
+    where = {s: (t, k) for t, tree in enumerate(trees) for k, s in enumerate(tree.ids)}
+    costs = []
+    for rank in ranks:
+        by_tree: dict[int, list[int]] = {}
+        for s in rank:
+            t, k = where[s]
+            by_tree.setdefault(t, []).append(k)
+        costs.append(sum(model.predict(trees[t].stats(ks)) for t, ks in by_tree.items()))
+    return BalancePlan([list(r) for r in ranks], costs, _lower_bound(trees, model, len(ranks)), 0)

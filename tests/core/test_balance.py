@@ -1,0 +1,147 @@
+"""The tree-aware balancer: plans are partitions that respect row counts, keep trees whole unless a
+tree exceeds a rank's share, come close to the lower bound on GRPO-shaped steps, and do not change
+the step's gradient (global token-mean normalisation, float64); the cost model's fit."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from forkrl.core import PrefixForest, RowLayout, TreeOptions, TreeStep
+from forkrl.core.balance import CostModel, PieceStats, balance, evaluate, trees_of_forest
+from forkrl.core.testing import Float64Mode
+from forkrl.core.testing.models import grads, max_rel_err, tiny_causal_lm
+
+
+def _grpo(groups: int, g: int, seed: int = 0, vocab: int = 60):
+    rng = random.Random(seed)
+    seqs, score_from = [], []
+    for q in range(groups):
+        prompt = [q % vocab] + [rng.randrange(vocab) for _ in range(rng.choice([4, 8, 40]))]
+        for _ in range(g):
+            seqs.append(prompt + [rng.randrange(vocab) for _ in range(1 + int(rng.expovariate(1 / 6)))])
+            score_from.append(len(prompt))
+    return seqs, score_from
+
+
+def test_trees_of_forest_describe_the_forest():
+    seqs, sf = _grpo(5, 4)
+    forest = PrefixForest.build(seqs, sf)
+    trees = trees_of_forest(forest)
+    assert sorted(s for t in trees for s in t.ids) == list(range(len(seqs)))
+    assert sum(t.stats().tokens for t in trees) == forest.unique_tokens
+    assert sum(t.stats().units for t in trees) == len(forest.nodes)
+    one = trees[0]
+    assert one.stats([0]).tokens == len(seqs[one.ids[0]])  # a single path is its sequence
+
+
+@pytest.mark.parametrize("rows_per_rank", [None, 8])
+def test_plan_is_a_partition_with_equal_rows(rows_per_rank):
+    seqs, sf = _grpo(12, 4, seed=1)
+    trees = trees_of_forest(PrefixForest.build(seqs, sf))
+    plan = balance(trees, 6, rows_per_rank=rows_per_rank)
+    assert sorted(s for r in plan.ranks for s in r) == list(range(len(seqs)))
+    if rows_per_rank:
+        assert all(len(r) == rows_per_rank for r in plan.ranks)
+    assert plan.makespan >= plan.lower_bound * (1 - 1e-12)
+    assert plan.seconds >= 0
+
+
+def test_grpo_step_is_near_the_bound_and_beats_length_balancing():
+    seqs, sf = _grpo(64, 8, seed=2)
+    trees = trees_of_forest(PrefixForest.build(seqs, sf))
+    model = CostModel(per_token=1.0, per_attended=0.01, per_unit=5.0)
+    plan = balance(trees, 8, model, rows_per_rank=64)
+    assert plan.split_trees == 0 and plan.makespan_ratio < 1.05
+    # Rows dealt by length, longest first to the shortest rank (what length balancing does).
+    order = sorted(range(len(seqs)), key=lambda s: -len(seqs[s]))
+    ranks, loads = [[] for _ in range(8)], [0] * 8
+    for s in order:
+        r = min((q for q in range(8) if len(ranks[q]) < 64), key=lambda q: loads[q])
+        ranks[r].append(s)
+        loads[r] += len(seqs[s])
+    assert evaluate(trees, ranks, model).makespan > 1.5 * plan.makespan
+
+
+def test_a_tree_larger_than_a_share_is_split_and_each_part_pays_its_prefix():
+    seqs, sf = _grpo(1, 16, seed=3)
+    seqs += [[59, 1, 2, 3]] * 2
+    sf += [2, 2]
+    trees = trees_of_forest(PrefixForest.build(seqs, sf))
+    plan = balance(trees, 4)
+    assert plan.split_trees == 1
+    big = max(trees, key=lambda t: len(t.ids))
+    prefix = big.stats([0]).tokens - (len(seqs[big.ids[0]]) - sf[big.ids[0]])
+    assert sum(plan.costs) >= big.stats().tokens + 3 * prefix - 1e-9  # four ranks hold the prompt
+
+
+def test_cost_model_fit_recovers_coefficients():
+    rng = random.Random(0)
+    shapes = [
+        PieceStats(rng.uniform(1e2, 1e4), rng.uniform(1e4, 1e7), rng.randrange(1, 40)) for _ in range(30)
+    ]
+    truth = CostModel(per_token=2e-5, per_attended=3e-9, per_unit=1e-3)
+    exact = CostModel.fit(shapes, [truth.predict(s) for s in shapes])
+    for name in ("per_token", "per_attended", "per_unit"):
+        assert getattr(exact, name) == pytest.approx(getattr(truth, name), rel=1e-9)
+    noisy = CostModel.fit(shapes, [truth.predict(s) * rng.uniform(0.95, 1.05) for s in shapes])
+    errors = [abs(noisy.predict(s) - truth.predict(s)) / truth.predict(s) for s in shapes]
+    assert max(errors) < 0.1
+    # A feature that does not explain the timings gets 0, never a negative cost.
+    flat = CostModel.fit(shapes, [1e-5 * s.tokens for s in shapes])
+    assert flat.per_attended >= 0 and flat.per_unit >= 0 and flat.per_token == pytest.approx(1e-5, rel=1e-6)
+    with pytest.raises(ValueError, match="at least 3"):
+        CostModel.fit(shapes[:2], [1.0, 2.0])
+    with pytest.raises(ValueError, match="finite"):
+        CostModel.fit(shapes[:3], [1.0, float("nan"), 2.0])
+    with pytest.raises(ValueError, match="per_unit"):
+        CostModel(per_unit=-1.0)
+
+
+def test_balancing_does_not_change_the_step_gradient():
+    """Two simulated ranks, token-mean over the whole step (global normaliser): the summed gradient
+    of the balanced assignment equals the original one's in float64."""
+    seqs, sf = _grpo(4, 3, seed=4)
+    trees = trees_of_forest(PrefixForest.build(seqs, sf))
+    plan = balance(trees, 2, rows_per_rank=6)
+    original = [list(range(0, 12, 2)), list(range(1, 12, 2))]  # groups scattered, as length balancing does
+    assert sorted(map(sorted, plan.ranks)) != sorted(map(sorted, original))
+    total = sum(len(s) - f for s, f in zip(seqs, sf, strict=True))
+
+    def step_grad(assignment) -> list[torch.Tensor]:
+        with Float64Mode():
+            model = tiny_causal_lm("llama-gqa")
+            model.train()
+            step = TreeStep(TreeOptions(tree_packing=True))
+            for rows in assignment:
+                layout = RowLayout.spans([torch.tensor(seqs[s]) for s in rows], [sf[s] for s in rows])
+
+                def loss_fn(i, lp, ent, layout=layout):
+                    return -(lp * layout.mask(lp.device)).sum() / total  # the step's token count
+
+                step.train(model, [layout], loss_fn, loss_gradient="general")
+            return grads(model)
+
+    assert max_rel_err(step_grad(plan.ranks), step_grad(original)) < 1e-12
+
+
+def test_bounds_hold_against_the_brute_force_optimum():
+    """Every assignment of 8 rows (4 groups of 2) to 2 ranks of 4 rows: the optimum is at least both
+    lower bounds, and the balancer's plan is at least the optimum (costs are the same model's)."""
+    import itertools
+
+    from forkrl.core.balance import rows_bound
+
+    seqs, sf = _grpo(4, 2, seed=5)
+    trees = trees_of_forest(PrefixForest.build(seqs, sf))
+    model = CostModel(per_token=1.0, per_attended=0.01, per_unit=3.0)
+    best = min(
+        evaluate(trees, [list(half), [s for s in range(8) if s not in half]], model).makespan
+        for half in itertools.combinations(range(8), 4)
+    )
+    plan = balance(trees, 2, model, rows_per_rank=4)
+    assert plan.lower_bound <= best + 1e-9 and rows_bound(trees, model, 4) <= best + 1e-9
+    assert plan.makespan >= best - 1e-9
+    assert plan.makespan <= 1.25 * best
