@@ -61,3 +61,9 @@ def test_balance_sim_benchmark():
     assert res["benchmark"] == "balance_sim" and len(res["rows"]) == 2
     for row in res["rows"]:
         assert 1.0 <= row["tree"] <= row["length"] and row["tree_vs_length"] < 1.0
+
+
+def test_balance_fit_benchmark():
+    res = _run("balance_fit", "--model", "micro", "--reps", "1")
+    assert res["benchmark"] == "balance_fit" and len(res["rows"]) == 12
+    assert all(v >= 0 for v in res["fit"].values()) and res["held_out_abs_error_max"] >= 0

@@ -6,9 +6,12 @@ training it computes the union of its paths' nodes once. Three figures describe 
 - ``tokens``: unique tokens (linear layers, MLP, head: cost per token);
 - ``attended``: query-key pairs of causal attention over the piece, ``sum_nodes L * start + L * (L + 1) / 2``
   for a node of ``L`` tokens starting at absolute position ``start`` (each query attends its ancestors);
-- ``units``: nodes (per-forward/backward overhead).
+- ``units``: nodes (per-forward/backward overhead);
+- ``scored``: tokens whose log-prob is computed (the LM head runs only there: with a large
+  vocabulary and a small model it is most of the step).
 
-:class:`CostModel` predicts seconds as ``per_token * tokens + per_attended * attended + per_unit * units``,
+:class:`CostModel` predicts seconds as ``per_token * tokens + per_attended * attended + per_unit * units
++ per_scored * scored``,
 with non-negative coefficients fitted by least squares to measured (shape, seconds) pairs
 (:meth:`CostModel.fit`): on the machine at start or from the first steps, not guessed.
 """
@@ -30,14 +33,18 @@ class PieceStats:
     tokens: float = 0.0
     attended: float = 0.0
     units: float = 0.0
+    scored: float = 0.0
 
     def __add__(self, other: PieceStats) -> PieceStats:
         return PieceStats(
-            self.tokens + other.tokens, self.attended + other.attended, self.units + other.units
+            self.tokens + other.tokens,
+            self.attended + other.attended,
+            self.units + other.units,
+            self.scored + other.scored,
         )
 
-    def features(self) -> tuple[float, float, float]:
-        return (self.tokens, self.attended, self.units)
+    def features(self) -> tuple[float, float, float, float]:
+        return (self.tokens, self.attended, self.units, self.scored)
 
 
 @dataclass(frozen=True)
@@ -50,16 +57,20 @@ class CostModel:
     per_token: float = 1.0
     per_attended: float = 0.0
     per_unit: float = 0.0
+    per_scored: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("per_token", "per_attended", "per_unit"):
+        for name in ("per_token", "per_attended", "per_unit", "per_scored"):
             value = getattr(self, name)
             if not (value >= 0.0 and value < float("inf")):
                 raise ValueError(f"CostModel.{name}={value!r} must be a finite number >= 0")
 
     def predict(self, stats: PieceStats) -> float:
         return (
-            self.per_token * stats.tokens + self.per_attended * stats.attended + self.per_unit * stats.units
+            self.per_token * stats.tokens
+            + self.per_attended * stats.attended
+            + self.per_unit * stats.units
+            + self.per_scored * stats.scored
         )
 
     @classmethod
@@ -70,17 +81,17 @@ class CostModel:
         Raises:
             ValueError: with fewer samples than features, or non-finite or negative timings.
         """
-        if len(shapes) != len(seconds) or len(shapes) < 3:
+        if len(shapes) != len(seconds) or len(shapes) < 4:
             raise ValueError(
-                f"CostModel.fit needs at least 3 (shape, seconds) pairs of equal count, got {len(shapes)}"
+                f"CostModel.fit needs at least 4 (shape, seconds) pairs of equal count, got {len(shapes)}"
             )
         y = torch.tensor([float(s) for s in seconds], dtype=torch.float64)
         if not torch.isfinite(y).all() or (y < 0).any():
             raise ValueError("CostModel.fit: timings must be finite and >= 0")
         x = torch.tensor([s.features() for s in shapes], dtype=torch.float64)
         scale = x.abs().amax(0).clamp(min=1e-30)  # conditioning: features differ by orders of magnitude
-        active = [j for j in range(3) if float(scale[j]) > 1e-30]
-        coef = torch.zeros(3, dtype=torch.float64)
+        active = [j for j in range(x.shape[1]) if float(scale[j]) > 1e-30]
+        coef = torch.zeros(x.shape[1], dtype=torch.float64)
         while active:
             sol = torch.linalg.lstsq(x[:, active] / scale[active], y[:, None]).solution[:, 0] / scale[active]
             if (sol >= 0).all():

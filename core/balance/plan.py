@@ -43,17 +43,25 @@ class Tree:
     parent: list[int]
     ids: list[int]
     paths: list[list[int]]
+    #: Per node, positions whose log-prob is computed (None: every token of a non-root node).
+    scored: list[int] | None = None
 
     def stats(self, leaves: Sequence[int] | None = None) -> PieceStats:
         """The piece of the union of the paths ``leaves`` (indices into ``ids``; all by default)."""
         chosen = range(len(self.ids)) if leaves is None else leaves
         nodes = {n for k in chosen for n in self.paths[k]}
-        tokens = attended = 0.0
+        tokens = attended = scored = 0.0
         for n in nodes:
             length, start = self.lengths[n], self.starts[n]
             tokens += length
             attended += length * start + length * (length + 1) / 2
-        return PieceStats(tokens, attended, float(len(nodes)))
+            scored += self._scored(n)
+        return PieceStats(tokens, attended, float(len(nodes)), scored)
+
+    def _scored(self, n: int) -> int:
+        if self.scored is not None:
+            return self.scored[n]
+        return self.lengths[n] if self.parent[n] >= 0 else 0
 
 
 def trees_of_forest(forest: PrefixForest) -> list[Tree]:
@@ -62,7 +70,7 @@ def trees_of_forest(forest: PrefixForest) -> list[Tree]:
     trees: list[Tree] = []
     for node in forest.nodes:  # parents come before children
         if node.parent < 0:
-            trees.append(Tree([], [], [], [], []))
+            trees.append(Tree([], [], [], [], [], scored=[]))
             t = len(trees) - 1
             parent = -1
         else:
@@ -72,6 +80,7 @@ def trees_of_forest(forest: PrefixForest) -> list[Tree]:
         tree.lengths.append(len(node.tokens))
         tree.starts.append(node.start)
         tree.parent.append(parent)
+        tree.scored.append(0 if node.rows is None else len(node.rows))  # the head runs at these rows
     for s, path in enumerate(forest.paths):
         t = local[path[0]][0]
         trees[t].ids.append(s)
@@ -118,9 +127,8 @@ def rows_bound(trees: Sequence[Tree], model: CostModel, rows_per_rank: int) -> f
             ends[path[-1]] = ends.get(path[-1], 0) + 1
         for path in t.paths:
             n = path[-1]
-            leaf = PieceStats(
-                t.lengths[n], t.lengths[n] * t.starts[n] + t.lengths[n] * (t.lengths[n] + 1) / 2, 1.0
-            )
+            length = t.lengths[n]
+            leaf = PieceStats(length, length * t.starts[n] + length * (length + 1) / 2, 1.0, t._scored(n))
             paths.append(model.predict(t.stats([t.paths.index(path)])))
             margins.append(model.predict(leaf) if ends[n] == 1 else 0.0)
     others = rows_per_rank - 1

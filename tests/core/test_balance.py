@@ -80,22 +80,28 @@ def test_a_tree_larger_than_a_share_is_split_and_each_part_pays_its_prefix():
 def test_cost_model_fit_recovers_coefficients():
     rng = random.Random(0)
     shapes = [
-        PieceStats(rng.uniform(1e2, 1e4), rng.uniform(1e4, 1e7), rng.randrange(1, 40)) for _ in range(30)
+        PieceStats(rng.uniform(1e2, 1e4), rng.uniform(1e4, 1e7), rng.randrange(1, 40), rng.uniform(10, 2e3))
+        for _ in range(30)
     ]
-    truth = CostModel(per_token=2e-5, per_attended=3e-9, per_unit=1e-3)
+    truth = CostModel(per_token=2e-5, per_attended=3e-9, per_unit=1e-3, per_scored=4e-4)
     exact = CostModel.fit(shapes, [truth.predict(s) for s in shapes])
-    for name in ("per_token", "per_attended", "per_unit"):
+    for name in ("per_token", "per_attended", "per_unit", "per_scored"):
         assert getattr(exact, name) == pytest.approx(getattr(truth, name), rel=1e-9)
     noisy = CostModel.fit(shapes, [truth.predict(s) * rng.uniform(0.95, 1.05) for s in shapes])
     errors = [abs(noisy.predict(s) - truth.predict(s)) / truth.predict(s) for s in shapes]
     assert max(errors) < 0.1
     # A feature that does not explain the timings gets 0, never a negative cost.
     flat = CostModel.fit(shapes, [1e-5 * s.tokens for s in shapes])
-    assert flat.per_attended >= 0 and flat.per_unit >= 0 and flat.per_token == pytest.approx(1e-5, rel=1e-6)
-    with pytest.raises(ValueError, match="at least 3"):
-        CostModel.fit(shapes[:2], [1.0, 2.0])
+    assert (
+        flat.per_attended >= 0
+        and flat.per_unit >= 0
+        and flat.per_scored >= 0
+        and flat.per_token == pytest.approx(1e-5, rel=1e-6)
+    )
+    with pytest.raises(ValueError, match="at least 4"):
+        CostModel.fit(shapes[:3], [1.0, 2.0, 3.0])
     with pytest.raises(ValueError, match="finite"):
-        CostModel.fit(shapes[:3], [1.0, float("nan"), 2.0])
+        CostModel.fit(shapes[:4], [1.0, float("nan"), 2.0, 3.0])
     with pytest.raises(ValueError, match="per_unit"):
         CostModel(per_unit=-1.0)
 
