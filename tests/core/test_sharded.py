@@ -78,12 +78,14 @@ with Float64Mode():
     except (ValueError, RuntimeError) as err:
         untouched = all(p.grad is None for p in model.parameters())
         report(f"RANK {rank} RAISED {type(err).__name__}: {err}", f"RANK {rank} UNTOUCHED {untouched}")
+        dist.destroy_process_group()  # a live process group at interpreter exit can abort the process
         sys.exit(0)
     got = [p.grad.full_tensor() for p in model.parameters()]
     err = max_rel_err(got, want)
     dense_scored = layout.to_host(torch.cat([t.detach() for t in lps]))
     score_err = (scored - dense_scored).abs().max().item()
 report(f"RANK {rank} GRAD_ERR {err:.3e} SCORE_ERR {score_err:.3e} UNITS {res.forest.num_sequences}")
+dist.destroy_process_group()
 """
 
 

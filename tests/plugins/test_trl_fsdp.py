@@ -60,6 +60,10 @@ if mode == "tree":
         torch.save(full, out / "tree.pt")
 else:
     torch.save(params, out / "stock.pt")
+import torch.distributed as _dist
+if _dist.is_initialized():  # a live process group at interpreter exit can abort the process (SIGABRT)
+    _dist.barrier()
+    _dist.destroy_process_group()
 """
 
 

@@ -256,6 +256,10 @@ params, tr = train({model!r}, out / mode, mode == "tree", per_device_train_batch
 if tr.accelerator.is_main_process:
     torch.save(params, out / (mode + ".pt"))
     print("WORLD", tr.accelerator.num_processes, tr.accelerator.distributed_type)
+import torch.distributed as _dist
+if _dist.is_initialized():  # a live process group at interpreter exit can abort the process (SIGABRT)
+    _dist.barrier()
+    _dist.destroy_process_group()
 """
 
 

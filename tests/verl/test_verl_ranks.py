@@ -37,6 +37,10 @@ lines = [None] * dist.get_world_size()
 dist.all_gather_object(lines, line)
 if rank == 0:  # one writer: the ranks' prints would interleave
     print("\n".join(lines), flush=True)
+import torch.distributed as _dist
+if _dist.is_initialized():  # a live process group at interpreter exit can abort the process (SIGABRT)
+    _dist.barrier()
+    _dist.destroy_process_group()
 """
 
 
