@@ -43,6 +43,9 @@ __all__ = [
     "dtensor_mesh",
     "flash_cpu",
     "flash_cpu_backward",
+    "flash_cuda",
+    "flash_cuda_backward",
+    "has_flash_cuda",
     "init_cache",
     "int4_mm",
     "int4_pack",
@@ -355,6 +358,54 @@ def flash_cpu(*args, **kwargs):
 def flash_cpu_backward(*args, **kwargs):
     """``aten._scaled_dot_product_flash_attention_for_cpu_backward``: ``(dq, dk, dv)``."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*args, **kwargs)
+
+
+def has_flash_cuda() -> bool:
+    """Whether this torch has the CUDA flash-attention ops (the check runs on a GPU only)."""
+    aten = torch.ops.aten
+    return hasattr(aten, "_scaled_dot_product_flash_attention") and hasattr(
+        aten, "_scaled_dot_product_flash_attention_backward"
+    )
+
+
+def flash_cuda(q, k, v, dropout_p: float, is_causal: bool, scale: float | None = None):
+    """``aten._scaled_dot_product_flash_attention`` (CUDA, bf16/fp16, ``[B, H, L, d]``, head dim <=
+    256) in the CPU kernel's form: ``(out [B, H, q, d], lse [B, H, q] float32)``. Checked on the device
+    at first use by :func:`forkrl.core.attention.split.kernels_for` (no GPU in CI)."""
+    out = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, dropout_p, is_causal, False, scale=scale
+    )
+    return out[0], out[1]
+
+
+def flash_cuda_backward(
+    dout, q, k, v, out, lse, dropout_p: float, is_causal: bool, scale: float | None = None
+):
+    """``aten._scaled_dot_product_flash_attention_backward`` in the CPU kernel's form: ``(dq, dk, dv)``.
+
+    Dense (not varlen) inputs: the cumulative-length tensors are empty and unused, as the forward
+    returns them; without dropout the RNG state is unused too.
+    """
+    if dropout_p:
+        raise ValueError("forkrl calls the CUDA flash backward without dropout only")
+    empty = torch.empty(0, dtype=torch.int64, device=q.device)
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        empty,
+        empty,
+        q.shape[2],
+        k.shape[2],
+        0.0,
+        is_causal,
+        empty,
+        empty,
+        scale=scale,
+    )
 
 
 @_private(

@@ -67,3 +67,10 @@ def test_balance_fit_benchmark():
     res = _run("balance_fit", "--model", "micro", "--reps", "1")
     assert res["benchmark"] == "balance_fit" and len(res["rows"]) == 12
     assert all(v >= 0 for v in res["fit"].values()) and res["held_out_abs_error_max"] >= 0
+
+
+def test_tree_training_plot(tmp_path):
+    png = tmp_path / "speedup.png"
+    args = ["--models", "micro", "--P", "32,64", "--G", "2,3", "--R", "8", "--methods", "dense,keep", "--no-score"]
+    res = _run("tree_training", *args, "--plot", str(png))
+    assert len(res["rows"]) == 4 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,10 +1,11 @@
 """Attention backends for tree passes, behind one selector.
 
-- :mod:`.split`: the CPU split attention (a node over its ancestors' cache pieces, no mask),
-  torch's CPU flash kernels merged by log-sum-exp.
+- :mod:`.split`: the split attention (a node over its ancestors' cache pieces, no mask), flash
+  kernels merged by log-sum-exp: torch's CPU flash kernels; on CUDA the flash kernels for bf16/fp16
+  (:func:`kernels_for`, self-checked on the device at first use).
 - :mod:`.mask`: the packed tree mask, from one ``subtree_end`` per token.
-- The model's own attention (sdpa/eager with an explicit mask) everywhere else; CUDA kernels
-  called with their log-sum-exp are the next backend to add here.
+- The model's own attention (sdpa/eager with an explicit mask) everywhere else, and where a kernel
+  is missing or its self-check fails (float32 on CUDA, head dim > 256).
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ import torch
 
 from .. import compat
 from .mask import subtree_ends, tree_mask
-from .split import MIN_PIECE, MIN_SPLIT_ELEMENTS, NAME, PastPieces, split_attention
+from .split import MIN_PIECE, MIN_SPLIT_ELEMENTS, NAME, PastPieces, kernels_for, split_attention
 
 __all__ = [
     "MIN_PIECE",
     "MIN_SPLIT_ELEMENTS",
     "NAME",
     "PastPieces",
+    "kernels_for",
     "select",
     "split_attention",
     "subtree_ends",
@@ -27,6 +29,10 @@ __all__ = [
 ]
 
 _registered = False
+
+# Attention implementations whose layers compute plain softmax attention, which the split then
+# replaces inside tree passes (a model loaded with flash-attention trains its tree the same way).
+CUDA_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3")
 
 
 def select(
@@ -45,10 +51,11 @@ def select(
         device: where the model runs.
         enabled: False forces the model's own attention.
     """
+    cuda = device.type == "cuda" and compat.has_flash_cuda()
     ok = (
         enabled
-        and device.type == "cpu"
-        and attn_implementation == "sdpa"
+        and (device.type == "cpu" or cuda)
+        and (attn_implementation == "sdpa" or (cuda and attn_implementation in CUDA_IMPLEMENTATIONS))
         and all(k in ("full", "state") for k in layer_kinds)
         and getattr(config, "attn_logit_softcapping", None) is None
     )

@@ -27,12 +27,16 @@ softcapping). Anything else falls back to plain sdpa with an explicit mask.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.nn import functional as F
 
 from .. import compat
 
-__all__ = ["NAME", "PastPieces", "split_attention"]
+__all__ = ["NAME", "PastPieces", "kernels_for", "split_attention"]
+
+logger = logging.getLogger(__name__)
 
 NAME = "forkrl_tree_sdpa"
 
@@ -44,8 +48,74 @@ MIN_SPLIT_ELEMENTS = 1 << 22
 # Cache pieces shorter than this are concatenated before attention (kernel calls per piece).
 MIN_PIECE = 1024
 
-_flash = compat.flash_cpu
-_flash_bwd = compat.flash_cpu_backward
+# Per (device, dtype): the (forward, backward) flash kernels the split runs, or None (sdpa with a mask).
+_KERNELS: dict[tuple[str, int | None, torch.dtype], tuple | None] = {}
+# Largest head dimension the CUDA flash kernel takes.
+CUDA_MAX_HEAD_DIM = 256
+
+
+def kernels_for(device: torch.device, dtype: torch.dtype) -> tuple | None:
+    """The ``(forward, backward)`` flash kernels split attention runs for ``dtype`` tensors on
+    ``device``, both in the CPU kernel's form (``(out, lse)``; ``(dq, dk, dv)``), or None where there
+    is none: then the model's attention runs with an explicit mask.
+
+    CPU: torch's CPU flash kernels (every floating dtype). CUDA: the flash kernels for bf16/fp16,
+    once checked on this device against a float64 reference on a small random input (split, GQA
+    folded, a batch over shared pieces, forward and backward); a failure or a disagreement logs one
+    line saying why and selects the fallback. float32 on CUDA: the fallback (the flash kernel takes
+    half precision only).
+    """
+    key = (device.type, device.index, dtype)
+    if key not in _KERNELS:
+        if device.type == "cpu":
+            _KERNELS[key] = (compat.flash_cpu, compat.flash_cpu_backward)
+        elif device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and compat.has_flash_cuda():
+            kernels = (compat.flash_cuda, compat.flash_cuda_backward)
+            with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+                why = _self_check(device, dtype, kernels)
+            if why is not None:
+                logger.warning(
+                    "forkrl split attention: CUDA flash kernels unusable (%s); using sdpa with a mask", why
+                )
+            _KERNELS[key] = kernels if why is None else None
+        else:
+            _KERNELS[key] = None
+    return _KERNELS[key]
+
+
+def _self_check(device: torch.device, dtype: torch.dtype, kernels: tuple) -> str | None:
+    """None when the split over ``kernels`` matches float64 attention on a small input, else why not."""
+    try:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        b, h, kv, q_len, d, past = 2, 4, 2, 48, 64, (80, 40)
+        rand = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)  # noqa: E731
+        q, k_self, v_self = rand(b, h, q_len, d), rand(b, kv, q_len, d), rand(b, kv, q_len, d)
+        keys, values = [rand(1, kv, n, d) for n in past], [rand(1, kv, n, d) for n in past]
+        leaves = [t.requires_grad_(True) for t in (q, k_self, v_self, *keys, *values)]
+        out = _SplitAttention.apply(q, k_self, v_self, d**-0.5, h // kv, len(keys), kernels, *keys, *values)
+        dout = rand(*out.shape)
+        got = torch.autograd.grad(out, leaves, dout)
+        ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+        q64, ks64, vs64 = ref_leaves[:3]
+        k_all = torch.cat([torch.cat(ref_leaves[3:5], -2).expand(b, -1, -1, -1), ks64], -2)
+        v_all = torch.cat([torch.cat(ref_leaves[5:7], -2).expand(b, -1, -1, -1), vs64], -2)
+        n = sum(past)
+        mask = torch.arange(q_len, device=device)[:, None] + n >= torch.arange(n + q_len, device=device)
+        ref = F.scaled_dot_product_attention(
+            q64, _expand(k_all, h // kv), _expand(v_all, h // kv), attn_mask=mask, scale=d**-0.5
+        )
+        want = torch.autograd.grad(ref, ref_leaves, dout.double())
+    except (RuntimeError, TypeError, ValueError, NotImplementedError) as err:
+        return f"{type(err).__name__}: {err}"
+    tol = 3e-2  # half precision, relative to the largest reference norm
+    for name, a, w in [
+        ("output", out, ref),
+        *[(f"gradient {i}", x, y) for i, (x, y) in enumerate(zip(got, want, strict=True))],
+    ]:
+        err = float((a.double() - w).norm() / max(float(w.norm()), 1e-12))
+        if not err < tol:
+            return f"{name} differs from the float64 reference by {err:.2e} (tolerance {tol})"
+    return None
 
 
 def _expand(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -63,50 +133,70 @@ def _reduce(g: torch.Tensor, n_rep: int) -> torch.Tensor:
     return g.view(b, h // n_rep, n_rep, length, d).sum(2)
 
 
+def _fold(t: torch.Tensor, kv: int) -> torch.Tensor:
+    """``[b, kv * r, q, ...]`` -> ``[1, kv, b * r * q, ...]``: every query of a kv-head group (all
+    sequences of the batch, all query heads sharing that kv head) as one query run."""
+    b = t.shape[0]
+    t = t.reshape(b, kv, -1, *t.shape[3:]).transpose(0, 1)
+    return t.reshape(1, kv, -1, *t.shape[3:])
+
+
+def _unfold(t: torch.Tensor, b: int, h: int, q_len: int) -> torch.Tensor:
+    """Inverse of :func:`_fold`: ``[1, kv, b * r * q, ...]`` -> ``[b, h, q, ...]``."""
+    kv = t.shape[1]
+    t = t.reshape(kv, b, -1, *t.shape[3:]).transpose(0, 1)
+    return t.reshape(b, h, q_len, *t.shape[3:])
+
+
 class _SplitAttention(torch.autograd.Function):
     """Attention over cache pieces (unmasked) and the node itself (causal), merged by log-sum-exp.
 
-    The pieces are the ancestors' own key/value tensors, saved by reference: nothing of the size of
-    the context is copied. Query heads that share a key/value head are folded into the query length
-    for the unmasked parts, so the pieces are never expanded to the query heads either.
+    The pieces are the ancestors' own key/value tensors (``[1, kv, n, d]``, shared by every sequence
+    of the batch), saved by reference: nothing of the size of the context is copied. All queries of
+    a kv-head group (query heads sharing the kv head, and every sequence of a batch of siblings) are
+    folded into one query run for the unmasked parts, so the pieces are never expanded, and their
+    gradient is one call's, summed over the batch by the kernel itself.
     """
 
     @staticmethod
-    def forward(ctx, q, k_self, v_self, scale: float, n_rep: int, n_pieces: int, *pieces):  # noqa: D102
+    def forward(ctx, q, k_self, v_self, scale: float, n_rep: int, n_pieces: int, kernels, *pieces):  # noqa: D102
         b, h, q_len, d = q.shape
         kv = h // n_rep
+        flash = kernels[0]
         q = q.contiguous()
-        out, lse = _flash(q, _expand(k_self, n_rep), _expand(v_self, n_rep), 0.0, True, scale=scale)
-        out, lse = out.contiguous(), lse.contiguous()
-        q_fold = q.view(b, kv, n_rep * q_len, d)
+        out, lse = flash(q, _expand(k_self, n_rep), _expand(v_self, n_rep), 0.0, True, scale=scale)
+        # Merged in the log-sum-exp's float32 where the kernel runs in half precision.
+        out, lse = out.contiguous().to(torch.promote_types(q.dtype, lse.dtype)), lse.contiguous()
+        q_fold = _fold(q, kv)
         for k, v in zip(pieces[:n_pieces], pieces[n_pieces:], strict=True):
-            o_i, l_i = _flash(q_fold, k, v, 0.0, False, scale=scale)
-            o_i, l_i = o_i.reshape(b, h, q_len, d), l_i.reshape(b, h, q_len)
+            o_i, l_i = flash(q_fold, k, v, 0.0, False, scale=scale)
+            o_i, l_i = _unfold(o_i, b, h, q_len), _unfold(l_i, b, h, q_len)
             merged = torch.logaddexp(lse, l_i)
             out = out * torch.exp(lse - merged)[..., None] + o_i * torch.exp(l_i - merged)[..., None]
             lse = merged
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k_self, v_self, out, lse, *pieces)
-        ctx.scale, ctx.n_rep, ctx.n_pieces = scale, n_rep, n_pieces
+        ctx.scale, ctx.n_rep, ctx.n_pieces, ctx.kernels = scale, n_rep, n_pieces, kernels
         return out
 
     @staticmethod
     def backward(ctx, dout):  # noqa: D102
         q, k_self, v_self, out, lse, *pieces = ctx.saved_tensors
         n_rep, scale, n = ctx.n_rep, ctx.scale, ctx.n_pieces
+        flash_bwd = ctx.kernels[1]
         b, h, q_len, d = q.shape
         dout = dout.contiguous()
-        dq, dk_self, dv_self = _flash_bwd(
-            dout, q, _expand(k_self, n_rep), _expand(v_self, n_rep), out, lse, 0.0, True, scale=scale
-        )
-        fold = (b, h // n_rep, n_rep * q_len)
-        dout_f, q_f, out_f, lse_f = (t.reshape(*fold, *t.shape[3:]) for t in (dout, q, out, lse))
+        k_e, v_e = _expand(k_self, n_rep), _expand(v_self, n_rep)
+        dq, dk_self, dv_self = flash_bwd(dout, q, k_e, v_e, out, lse, 0.0, True, scale=scale)
+        kv = h // n_rep
+        dout_f, q_f, out_f, lse_f = (_fold(t, kv).contiguous() for t in (dout, q, out, lse))
         dks, dvs = [], []
         for k, v in zip(pieces[:n], pieces[n:], strict=True):
-            dq_i, dk, dv = _flash_bwd(dout_f, q_f, k, v, out_f, lse_f, 0.0, False, scale=scale)
-            dq = dq + dq_i.reshape(b, h, q_len, d)
+            dq_i, dk, dv = flash_bwd(dout_f, q_f, k, v, out_f, lse_f, 0.0, False, scale=scale)
+            dq = dq + _unfold(dq_i, b, h, q_len)
             dks.append(dk)
             dvs.append(dv)
-        return (dq, _reduce(dk_self, n_rep), _reduce(dv_self, n_rep), None, None, None, *dks, *dvs)
+        return (dq, _reduce(dk_self, n_rep), _reduce(dv_self, n_rep), None, None, None, None, *dks, *dvs)
 
 
 def _coalesce(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -142,7 +232,8 @@ class PastPieces:
     ``used`` counts the attention calls that consumed them (the adapter checks it is one).
 
     Args:
-        keys, values: one ``[B, kv, n_i, d]`` tensor per ancestor piece, in position order.
+        keys, values: one ``[1, kv, n_i, d]`` tensor per ancestor piece, in position order, shared
+            by every sequence of the batch the node runs in (a batch of sibling leaves).
     """
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
@@ -150,10 +241,11 @@ class PastPieces:
         self.length = sum(k.shape[-2] for k in keys)
         self.used = 0
 
-    def full(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[B, kv, c, d]`` keys and values (a copy; for the short contexts that take one kernel)."""
+    def full(self, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[batch, kv, c, d]`` keys and values (a copy; for the short contexts that take one kernel)."""
         cat = lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs, dim=-2)  # noqa: E731
-        return cat(self.keys), cat(self.values)
+        keys, values = cat(self.keys), cat(self.values)
+        return keys.expand(batch, *keys.shape[1:]), values.expand(batch, *values.shape[1:])
 
 
 def split_attention(
@@ -191,11 +283,20 @@ def split_attention(
     else:
         past = key.shape[2] - q_len
         k_self, v_self = key[:, :, past:], value[:, :, past:]
-    small = q_len * past < MIN_SPLIT_ELEMENTS
-    if dropout > 0.0 or query.device.type != "cpu" or q_len == 1 or past == 0 or small:
+    # One masked call is faster for a small node, but for a batch of siblings it would copy the
+    # context once per sequence: a batch always splits.
+    small = q_len * past < MIN_SPLIT_ELEMENTS and query.shape[0] == 1
+    # A plain cache's context may differ per sequence: the split folds only shared pieces.
+    per_sequence = pieces is None and query.shape[0] > 1
+    kernels = (
+        None
+        if query.shape[-1] > CUDA_MAX_HEAD_DIM and query.is_cuda
+        else kernels_for(query.device, query.dtype)
+    )
+    if dropout > 0.0 or kernels is None or q_len == 1 or past == 0 or small or per_sequence:
         # Plain sdpa with an explicit bottom-right causal mask (dropout must use one kernel call).
         if pieces is not None and past > 0:
-            k_past, v_past = pieces.full()
+            k_past, v_past = pieces.full(query.shape[0])
             key, value = torch.cat([k_past, key], dim=-2), torch.cat([v_past, value], dim=-2)
         kv_len = key.shape[2]
         mask = None
@@ -216,5 +317,5 @@ def split_attention(
             keys, values = _coalesce(pieces.keys), _coalesce(pieces.values)
         else:
             keys, values = [key[:, :, :past]], [value[:, :, :past]]
-        out = _SplitAttention.apply(query, k_self, v_self, scale, n_rep, len(keys), *keys, *values)
+        out = _SplitAttention.apply(query, k_self, v_self, scale, n_rep, len(keys), kernels, *keys, *values)
     return out.transpose(1, 2).contiguous(), None

@@ -189,8 +189,9 @@ def build_cache(
         if kind == "state":
             layers.append(_state_layer(past[i], past_len, batch))
         elif pieces and kind == "full":
-            keys = [_batched(kv[0], batch) for kv in past[i]] if past_len > 0 else []
-            values = [_batched(kv[1], batch) for kv in past[i]] if past_len > 0 else []
+            # Shared by the whole batch as they are: split attention folds the batch into its queries.
+            keys = [kv[0] for kv in past[i]] if past_len > 0 else []
+            values = [kv[1] for kv in past[i]] if past_len > 0 else []
             layers.append(PiecewiseLayer(keys, values, past_len))
         else:
             window = getattr(template.layers[i], "sliding_window", None)

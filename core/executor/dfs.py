@@ -5,7 +5,10 @@ The pass is a small state machine over three steps (:class:`Step`):
 - ``ENTER`` a unit: forward it over its ancestors' cache (with grad in keep mode; without in
   replay mode and when scoring), apply the LM head at its scored rows, and hand its own
   keys/values to its descendants as leaf tensors;
-- ``SCORE_LEAVES``: when scoring, a batch of sibling leaves in one forward;
+- ``LEAVES``: a batch of sibling leaves in one right-padded forward over their parent's cache
+  (causal attention never lets a real token see the padding after it); in a gradient pass its
+  head and one backward follow at once, so the ancestors' key/value gradient of all the siblings
+  arrives in one call per layer;
 - ``LEAVE`` a unit: drop its cache; in replay mode forward it again with grad (same random
   numbers), then backpropagate it once with its head's gradient plus the gradient its
   descendants accumulated into its keys/values, which passes on to its ancestors.
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import attention
 from ..tree import PrefixForest, Unit, plan
 from .cache import LayerPast, NodeKV, recorded
 from .head import ScoredHead
@@ -33,7 +37,7 @@ class Step(enum.Enum):
 
     ENTER = "enter"
     LEAVE = "leave"
-    SCORE_LEAVES = "score leaves"
+    LEAVES = "leaves"
 
 
 @dataclass
@@ -81,7 +85,7 @@ class DepthFirstPass:
             elif step is Step.LEAVE:
                 self.leave(arg)
             else:
-                self.score_leaves([self.units[i] for i in arg])
+                self.leaves([self.units[i] for i in arg])
 
     # ------------------------------------------------------------------ steps
     def enter(self, u: int) -> list[tuple[Step, object]]:
@@ -99,13 +103,10 @@ class DepthFirstPass:
             self.past_len += len(unit.tokens)
         self.frames[u] = frame
         steps: list[tuple[Step, object]] = [(Step.LEAVE, u)]
-        children = unit.children
-        if not self.grad:
-            # Scoring: sibling leaves run as one right-padded batch (causal attention never lets a
-            # real token see the padding after it), bounded by score_batch_tokens.
-            leaf_kids = [c for c in children if not self.units[c].children]
-            children = [c for c in children if self.units[c].children]
-            steps += [(Step.SCORE_LEAVES, b) for b in self._leaf_batches(leaf_kids)]
+        leaf_kids = [c for c in unit.children if self._batchable(self.units[c])]
+        batched = set(leaf_kids)
+        children = [c for c in unit.children if c not in batched]
+        steps += [(Step.LEAVES, b) for b in self._leaf_batches(leaf_kids)]
         return steps + [(Step.ENTER, c) for c in reversed(children)]
 
     def leave(self, u: int) -> None:
@@ -128,8 +129,9 @@ class DepthFirstPass:
             del hidden
         self._backpropagate(frame)
 
-    def score_leaves(self, batch: list[Unit]) -> None:
-        """No-grad forward of sibling leaves as one right-padded batch over their shared cache."""
+    def leaves(self, batch: list[Unit]) -> None:
+        """Sibling leaves as one right-padded batch over their shared cache: scored, or in a
+        gradient pass forwarded with grad and backpropagated at once (one backward for the batch)."""
         width = max(len(u.tokens) for u in batch)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         for b, u in enumerate(batch):
@@ -137,9 +139,17 @@ class DepthFirstPass:
         start = batch[0].start
         pos = torch.arange(start, start + width, device=self.device).expand(len(batch), -1)
         cache = self.adapter.make_cache(self.past, self.past_len, batch=len(batch), pieces=self.pieces)
-        hidden = self.adapter.hidden(ids.to(self.device), pos, cache=cache)
+        with torch.set_grad_enabled(self.grad):
+            hidden = self.adapter.hidden(ids.to(self.device), pos, cache=cache)
+        outputs, grads = [], []
         for b, u in enumerate(batch):
-            self.head.unit(u, hidden[b], grad=False)
+            rows, grad = self.head.unit(u, hidden[b], grad=self.grad)
+            if rows is not None and rows.requires_grad:
+                outputs.append(rows)
+                grads.append(grad)
+        del hidden, cache
+        if outputs:
+            torch.autograd.backward(outputs, grads)
 
     # ------------------------------------------------------------------ pieces of the steps
     def _forward_down(self, unit: Unit, frame: _Frame, frozen: bool) -> NodeKV:
@@ -210,14 +220,42 @@ class DepthFirstPass:
             out.append(_arena_leaves(buffers[i], layer, unit.offset, requires_grad))
         return NodeKV(out)
 
+    def _splits(self) -> bool:
+        """Whether attention runs split over the shared pieces (no per-sequence copy of the context)."""
+        if not self.pieces:
+            return False
+        kind = self.device.type
+        autocast = torch.is_autocast_enabled(kind)
+        dtype = torch.get_autocast_dtype(kind) if autocast else self.adapter.head.weight.dtype
+        return attention.kernels_for(self.device, dtype) is not None
+
+    def _batchable(self, unit: Unit) -> bool:
+        """A leaf that runs in a sibling batch: one forward (with grad, or scoring), nothing kept.
+        Not a frozen context-only leaf, which takes the frozen path of :meth:`enter`."""
+        return not unit.children and not (self.grad and unit.context_only and self.ex.prompt_grad == "none")
+
     def _leaf_batches(self, leaf_ids: list[int]) -> list[list[int]]:
-        """Group sibling leaves (by length) so that batch x (context + longest) <= score_batch_tokens."""
+        """Group sibling leaves by length into batches of at most ``budget`` padded tokens.
+
+        A batch's tokens are ``batch x longest``, plus ``batch x context`` where the attention
+        copies the ancestors' cache per sequence (no split attention): ``leaf_batch_tokens`` bounds
+        a gradient pass (the activations autograd keeps for one batch: memory flat in group size),
+        ``score_batch_tokens`` a scoring pass. A replay gradient pass runs leaves one at a time:
+        its memory is one root-to-leaf path's whatever the group size (what replay is chosen for);
+        so does a gradient pass with dropout active (each leaf's random masks as replay draws them).
+        """
+        budget = self.ex.leaf_batch_tokens if self.grad else self.ex.score_batch_tokens
+        if self.replay or (self.grad and self.adapter.has_dropout()):
+            # One leaf at a time: replay's memory is one root-to-leaf path's, and with dropout each
+            # leaf draws its own masks in the order replay (and a later re-run) draws them.
+            budget = 1
+        context = 0 if self._splits() else self.past_len
         leaf_ids = sorted(leaf_ids, key=lambda i: len(self.units[i].tokens))
         batches: list[list[int]] = []
         cur: list[int] = []
         for i in leaf_ids:
-            width = self.past_len + len(self.units[i].tokens)
-            if cur and (len(cur) + 1) * width > self.ex.score_batch_tokens:
+            width = context + len(self.units[i].tokens)
+            if cur and (len(cur) + 1) * width > budget:
                 batches.append(cur)
                 cur = []
             cur.append(i)

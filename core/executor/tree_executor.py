@@ -86,15 +86,22 @@ class TreeExecutor:
             bounds the no-grad forward of ``score`` in every non-packed mode.
         temperature: logits are divided by it before the softmax, as the host samples.
         head_chunk_elems: at most this many logits (rows x vocab) exist at once.
-        score_batch_tokens: ``score`` runs sibling leaves as one batch while batch x (context +
-            longest leaf) stays under this.
+        score_batch_tokens: ``score`` runs sibling leaves as one batch while batch x longest leaf
+            (plus batch x context where the attention copies the context per sequence) stays under
+            this.
+        leaf_batch_tokens: the same bound for sibling leaves in a keep-mode gradient pass: the
+            most padded leaf tokens whose activations autograd holds at once (keep mode's memory:
+            the path's plus at most this many leaf tokens', whatever the group size). Replay runs
+            leaves one at a time (its memory is one path's).
         prompt_grad: ``"exact"`` (default): gradients pass through every token. ``"none"``: the
             truncated gradient of LongStraw (arXiv 2607.14952): context that no sequence scores
             (prompts) runs without autograd and its hidden states and keys/values are constants;
             only the LM head still gets the gradient of the first scored token it predicts.
-        split_attention: on the CPU with sdpa, run each node's attention as an unmasked part over
-            the ancestors' cache and a causal part over itself (:mod:`forkrl.core.attention`), so no
-            ``[node, context]`` mask is built or kept for backward. False: the model's own attention.
+        split_attention: run each node's attention as an unmasked part over the ancestors' cache
+            and a causal part over itself (:mod:`forkrl.core.attention`), so no ``[node, context]``
+            mask is built or kept for backward and no context is copied: on the CPU with sdpa, and on
+            CUDA in bf16/fp16 for models using sdpa or flash-attention (self-checked on the device
+            at first use; float32 on CUDA falls back). False: the model's own attention.
 
     Raises:
         UnsupportedModelError: for models it cannot run in this mode, naming the alternative.
@@ -109,6 +116,7 @@ class TreeExecutor:
         temperature: float = 1.0,
         head_chunk_elems: int = 1 << 25,
         score_batch_tokens: int = 1 << 15,
+        leaf_batch_tokens: int = 1 << 13,
         prompt_grad: PromptGrad = "exact",
         split_attention: bool = True,
     ) -> None:
@@ -117,6 +125,7 @@ class TreeExecutor:
         _positive_int(block_size, "block_size", allow_none=True)
         _positive_int(head_chunk_elems, "head_chunk_elems")
         _positive_int(score_batch_tokens, "score_batch_tokens")
+        _positive_int(leaf_batch_tokens, "leaf_batch_tokens")
         if prompt_grad not in PROMPT_GRADS:
             raise ValueError(f"prompt_grad={prompt_grad!r} must be one of {PROMPT_GRADS}")
         if prompt_grad == "none" and mode == "packed":
@@ -137,6 +146,7 @@ class TreeExecutor:
         self.temperature = float(temperature)
         self.head_chunk_elems = head_chunk_elems
         self.score_batch_tokens = score_batch_tokens
+        self.leaf_batch_tokens = leaf_batch_tokens
         self.prompt_grad = prompt_grad
         self.split_attention = split_attention
         if mode == "packed":

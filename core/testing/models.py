@@ -125,6 +125,7 @@ def tiny_causal_lm(
 SIZES = {
     "tiny": (128, 4, 4, 4, 344, 32000),
     "small": (512, 8, 8, 8, 1376, 32000),
+    "mini": (256, 4, 4, 4, 688, 32000),  # the per-leaf-overhead shape of the sibling-batching target
     "micro": (64, 2, 4, 2, 172, 1024),  # smoke tests only
 }
 
@@ -155,10 +156,11 @@ def llama(
     return LlamaForCausalLM(cfg).to(dtype)
 
 
-def flops_per_token(size: str) -> tuple[float, float, float]:
-    """Forward FLOPs of a :data:`SIZES` Llama: (per token in linear layers, per token per context
-    position in attention, LM head per row)."""
-    hidden, layers, heads, kv, inter, vocab = SIZES[size]
+def flops_per_token(size: str, vocab: int | None = None) -> tuple[float, float, float]:
+    """Forward FLOPs of a :data:`SIZES` Llama (with ``vocab`` instead of its own, if given): (per
+    token in linear layers, per token per context position in attention, LM head per row)."""
+    hidden, layers, heads, kv, inter, own_vocab = SIZES[size]
+    vocab = vocab or own_vocab
     head_dim = hidden // heads
     linear = 2 * layers * (hidden * hidden * 2 + 2 * hidden * kv * head_dim + 3 * hidden * inter)
     attn = layers * 4 * heads * head_dim  # QK^T and AV, per query per key
@@ -250,8 +252,9 @@ def dense_logprobs(model, sequences, score_from, temperature: float = 1.0, entro
         ``(logprobs, entropies or None)``: one ``[len_i - score_from_i]`` tensor per sequence.
     """
     lps, ents = [], []
+    device = next(model.parameters()).device
     for seq, sf in zip(sequences, score_from, strict=True):
-        ids = torch.as_tensor(seq).reshape(1, -1)
+        ids = torch.as_tensor(seq).reshape(1, -1).to(device)
         logits = model(input_ids=ids).logits[0] / temperature
         logp = torch.log_softmax(
             logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32), -1

@@ -364,3 +364,83 @@ def test_split_attention_is_used_and_exact(monkeypatch, name, min_piece):
             assert max_rel_err(grads(model), g_d) < TOL
             assert (calls["split"] > 0) == split
     assert model.config._attn_implementation == "sdpa"
+
+
+def _decoder_calls(model) -> tuple[dict, object]:
+    calls = {"n": 0, "batches": []}
+
+    def hook(module, args, kwargs):
+        calls["n"] += 1
+        calls["batches"].append(int(kwargs["input_ids"].shape[0]))
+
+    return calls, model.get_decoder().register_forward_pre_hook(hook, with_kwargs=True)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3", "mistral-swa", "lfm2", "qwen3next"])
+@pytest.mark.parametrize("budget", [1, 9, 1 << 20])
+def test_sibling_leaves_train_as_one_batch(name, budget):
+    """Keep mode forwards and backpropagates sibling leaves as right-padded batches of at most
+    ``leaf_batch_tokens`` padded tokens, exactly (attention, sliding-window and state models)."""
+    model = make_model(name)
+    seqs, sf = grpo_group(group=6)
+    forest = PrefixForest.build(seqs, sf)
+    c_lp, c_ent = _coefs(seqs, sf, 21)
+    leaves = sum(1 for n in forest.nodes if not n.children)
+    with Float64Mode():
+        lp_d, _, g_d = _dense(model, seqs, sf, c_lp, c_ent)
+        model.zero_grad(set_to_none=True)
+        calls, handle = _decoder_calls(model)
+        try:
+            res = TreeExecutor(model, mode="keep", leaf_batch_tokens=budget).backward(forest, c_lp, c_ent)
+        finally:
+            handle.remove()
+    assert max_rel_err(res.logprobs, lp_d) < TOL
+    assert max_rel_err(grads(model), g_d) < TOL
+    assert sum(calls["batches"]) == 1 + leaves  # the prompt, then every leaf once
+    expected = {1: 1 + leaves, 1 << 20: 2}.get(budget)
+    if expected is not None:
+        assert calls["n"] == expected
+    else:  # a few leaves per batch where the budget counts only the leaves (split attention)
+        assert max(calls["batches"]) <= 9 and (name == "mistral-swa" or 2 < calls["n"] < 1 + leaves)
+
+
+def test_sibling_batches_keep_memory_flat_in_group_size():
+    """Keep mode's autograd memory is the path's plus one leaf batch's: bounded by
+    ``leaf_batch_tokens`` whatever the group size."""
+    from forkrl.core.testing import SavedBytes
+
+    model = make_model("llama-gqa", dtype=torch.float32)
+    R = 8
+
+    def peak(G: int, budget: int) -> int:
+        g = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, 61, (40,), generator=g)
+        seqs = [torch.cat([prompt, torch.randint(0, 61, (R,), generator=g)]) for _ in range(G)]
+        coefs = [torch.randn(R, generator=g) for _ in range(G)]
+        meter = SavedBytes()
+        with meter.measure():
+            TreeExecutor(model, mode="keep", leaf_batch_tokens=budget).backward(
+                PrefixForest.build(seqs, [40] * G), coefs
+            )
+        return meter.peak
+
+    assert peak(16, 4 * R) <= 1.02 * peak(8, 4 * R)
+    assert peak(16, 16 * R) > 1.5 * peak(16, 4 * R)  # the measure sees the batch
+
+
+def test_split_kernel_self_check_catches_a_wrong_kernel():
+    """The check a device's flash kernels pass before split attention uses them (on the GPU at first
+    use): the CPU kernels pass it, a kernel whose log-sum-exp is off does not."""
+    import forkrl.core.attention.split as attn
+    from forkrl.core import compat
+
+    good = (compat.flash_cpu, compat.flash_cpu_backward)
+    assert attn._self_check(torch.device("cpu"), torch.float32, good) is None
+    assert attn.kernels_for(torch.device("cpu"), torch.float32) == good
+
+    def shifted(*args, **kwargs):
+        out, lse = compat.flash_cpu(*args, **kwargs)[:2]
+        return out, lse + 0.5
+
+    why = attn._self_check(torch.device("cpu"), torch.float32, (shifted, compat.flash_cpu_backward))
+    assert why is not None and "differs" in why
