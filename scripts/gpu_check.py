@@ -1,0 +1,581 @@
+"""One prepared run of everything forkrl can only check on a GPU (issue 14), about 6 minutes on an H200.
+
+Runs from a plain copy of the working tree: no install step, no network (forkrl is mapped from the
+tree's folders when it is not installed). Each stage has its own time budget, is skipped when the
+run's budget left cannot hold it, and its result (or its error) is written to
+``<out>/gpu_check.json`` as soon as it ends, so a run cut short still reports what it did.
+
+    python scripts/gpu_check.py --out "$OUT"                 # the GPU run
+    python scripts/gpu_check.py --out /tmp/g --device cpu --quick   # the smoke test CI runs
+
+Stages (``--stages`` picks some):
+    env          versions, device, memory, which attention kernels the device has
+    ops          op semantics the CUDA paths rely on: the flash op's output and log-sum-exp against
+                 a float64 reference (GQA folded, causal, fewer queries than keys), its backward
+    attention    forkrl's split attention on the device (bf16 and float32) against sdpa with a
+                 mask: output and gradients, the kernel the selector picked
+    exactness    TreeExecutor keep / replay / packed on tiny Llama and Qwen3 models (float32 and
+                 bf16) against plain per-sequence autograd: log-probs and gradients
+    training     dense vs keep (sibling batches) vs keep one-leaf-at-a-time vs packed on a
+                 0.5B-shaped random Llama, bf16, P=8192, G=16, R=512: time, peak memory
+    long_context replay with the exact prompt gradient: peak memory at G=2 and G=8, then the
+                 longest prompt that fits within the stage's budget (doubling)
+    drafter      int4/int8 kernel probe, drafter matmul time at batch 1-64 against bf16, exact
+                 greedy equality of the speculative sampler, a rollout plain vs speculative
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import platform
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _import_forkrl() -> str:
+    """``forkrl`` from this tree: installed (editable) or mapped from its folders."""
+    sys.path.insert(0, str(REPO))  # benchmarks/
+    try:
+        import forkrl.core  # noqa: F401
+
+        return "installed"
+    except ImportError:
+        pass
+    for name, folder in (("forkrl", "forkrl"), ("forkrl.core", "core"), ("forkrl.plugins", "plugins")):
+        spec = importlib.util.spec_from_file_location(
+            name, REPO / folder / "__init__.py", submodule_search_locations=[str(REPO / folder)]
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        if "." in name:
+            setattr(sys.modules["forkrl"], name.split(".")[1], module)
+        spec.loader.exec_module(module)
+    return "mapped from the tree"
+
+
+class StageTimeout(Exception):
+    """A stage ran past its budget (raised between Python steps by an alarm)."""
+
+
+@contextlib.contextmanager
+def _alarm(seconds: float):
+    def fire(signum, frame):
+        raise StageTimeout(f"stage budget of {seconds:.0f} s exceeded")
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 1.0))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+class Report:
+    """Results by stage, rewritten to ``gpu_check.json`` after each stage."""
+
+    def __init__(self, out: Path, args) -> None:
+        self.path = out / "gpu_check.json"
+        self.data: dict = {"args": vars(args), "stages": {}}
+        out.mkdir(parents=True, exist_ok=True)
+        self.write()
+
+    def write(self) -> None:
+        self.path.write_text(json.dumps(self.data, indent=1, default=str))
+
+    def stage(self, name: str, result: dict) -> None:
+        self.data["stages"][name] = result
+        self.write()
+        if result.get("status") != "running":
+            print(
+                f"[gpu_check] {name}: {result.get('status')} ({result.get('seconds', 0):.1f} s)", flush=True
+            )
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(device, fn):
+    _sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - t0, out
+
+
+@contextlib.contextmanager
+def _peak(device, box: dict, key: str):
+    """Peak device memory (MB) above the start of the block, into ``box[key]``."""
+    import torch
+
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize(device)
+        box[key] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def _rel(got, want) -> float:
+    got = [g.detach().double().cpu() for g in got]
+    want = [w.detach().double().cpu() for w in want]
+    scale = max(float(w.norm()) for w in want) or 1.0
+    return max(float((g - w).norm()) for g, w in zip(got, want, strict=True)) / scale
+
+
+def _free(device) -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------- stages
+
+
+def stage_env(ctx) -> dict:
+    import torch
+    import transformers
+
+    dev = ctx.device
+    out = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "forkrl": ctx.forkrl_source,
+        "device": str(dev),
+        "cuda": torch.version.cuda,
+    }
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        out["triton"] = None
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        out.update(
+            name=props.name,
+            memory_gib=props.total_memory / 2**30,
+            capability=list(
+                props.major_minor() if hasattr(props, "major_minor") else (props.major, props.minor)
+            ),
+        )
+        out["flash_sdp"] = torch.backends.cuda.flash_sdp_enabled()
+        out["mem_efficient_sdp"] = torch.backends.cuda.mem_efficient_sdp_enabled()
+    ops = ("_scaled_dot_product_flash_attention", "_flash_attention_forward", "_efficient_attention_forward")
+    out["aten_ops"] = {name: hasattr(torch.ops.aten, name) for name in ops}
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+
+        out["flex_attention"] = True
+    except ImportError:
+        out["flex_attention"] = False
+    return out
+
+
+def _reference_attention(q, k, v, causal: bool, scale: float):
+    """float64 attention with bottom-right causal alignment; ``[B, H, q, d]`` out and ``[B, H, q]`` lse."""
+    import torch
+
+    q, k, v = q.double(), k.double(), v.double()
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        ql, kl = q.shape[2], k.shape[2]
+        mask = torch.arange(ql, device=q.device)[:, None] + (kl - ql) >= torch.arange(kl, device=q.device)
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    return torch.softmax(s, -1) @ v, lse
+
+
+def stage_ops(ctx) -> dict:
+    """The flash kernel forkrl's split attention calls on this device, against float64."""
+    import torch
+
+    from forkrl.core.attention import split as attn
+
+    dev = ctx.device
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    kernels = attn.kernels_for(dev, dtype)
+    if kernels is None:
+        return {"status": "skipped", "why": f"no split-attention kernel for {dev} {dtype}"}
+    fwd, bwd = kernels
+    g = torch.Generator(device="cpu").manual_seed(0)
+    out = {"dtype": str(dtype)}
+    for name, (b, h, kv, ql, kl, causal) in {
+        "causal_self": (2, 8, 8, 128, 128, True),
+        "unmasked_past": (1, 4, 4, 512, 1024, False),
+        "causal_fewer_queries": (1, 4, 4, 64, 256, True),
+    }.items():
+        q = torch.randn(b, h, ql, 64, generator=g).to(dev, dtype)
+        k = torch.randn(b, kv, kl, 64, generator=g).to(dev, dtype)
+        v = torch.randn(b, kv, kl, 64, generator=g).to(dev, dtype)
+        scale = 64**-0.5
+        o, lse = fwd(q, k, v, 0.0, causal, scale=scale)
+        o_ref, lse_ref = _reference_attention(q, k, v, causal, scale)
+        if causal and ql < kl:  # which alignment the kernel uses (the split never relies on it)
+            o_top, _ = _reference_attention(q, k[:, :, :ql], v[:, :, :ql], True, scale)
+            out[f"{name}/top_left_err"] = _rel([o], [o_top])
+        dout = torch.randn_like(o)
+        dq, dk, dv = bwd(dout, q, k, v, o, lse, 0.0, causal, scale=scale)
+        qr, kr, vr = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+        o2, _ = _reference_attention(qr, kr, vr, causal, scale)
+        o2.backward(dout.double())
+        out[name] = {
+            "lse_shape": list(lse.shape),
+            "out_err": _rel([o], [o_ref]),
+            "lse_err": _rel([lse], [lse_ref]),
+            "grad_err": _rel([dq, dk, dv], [qr.grad, kr.grad, vr.grad]),
+        }
+    return out
+
+
+def stage_attention(ctx) -> dict:
+    """forkrl's split attention (a batch of siblings over shared pieces, GQA) against sdpa with a mask."""
+    import torch
+    from torch.nn import functional as F
+
+    from forkrl.core.attention import PastPieces, split_attention
+    from forkrl.core.attention import split as attn
+
+    dev = ctx.device
+    out = {}
+    for dtype in (torch.bfloat16, torch.float32) if dev.type == "cuda" else (torch.float32,):
+        g = torch.Generator(device="cpu").manual_seed(1)
+        b, h, kv, ql, d, pieces = 4, 8, 2, 96, 64, (700, 300)
+        q = torch.randn(b, h, ql, d, generator=g).to(dev, dtype).requires_grad_(True)
+        ks = torch.randn(b, kv, ql, d, generator=g).to(dev, dtype).requires_grad_(True)
+        vs = torch.randn(b, kv, ql, d, generator=g).to(dev, dtype).requires_grad_(True)
+        kp = [torch.randn(1, kv, n, d, generator=g).to(dev, dtype).requires_grad_(True) for n in pieces]
+        vp = [torch.randn(1, kv, n, d, generator=g).to(dev, dtype).requires_grad_(True) for n in pieces]
+        key = ks.view_as(ks)
+        key.forkrl_past = PastPieces(kp, vp)
+        o, _ = split_attention(None, q, key, vs, None, scaling=d**-0.5)
+        dout = torch.randn_like(o)
+        leaves = [q, ks, vs, *kp, *vp]
+        got = torch.autograd.grad(o, leaves, dout)
+        # Reference: float64, the context expanded per sequence, a bottom-right causal mask.
+        q64, ks64, vs64 = (t.detach().double().requires_grad_(True) for t in (q, ks, vs))
+        kp64 = [t.detach().double().requires_grad_(True) for t in kp]
+        vp64 = [t.detach().double().requires_grad_(True) for t in vp]
+        past = sum(pieces)
+        k_all = torch.cat([torch.cat(kp64, -2).expand(b, -1, -1, -1), ks64], -2).repeat_interleave(h // kv, 1)
+        v_all = torch.cat([torch.cat(vp64, -2).expand(b, -1, -1, -1), vs64], -2).repeat_interleave(h // kv, 1)
+        mask = torch.arange(ql, device=dev)[:, None] + past >= torch.arange(past + ql, device=dev)
+        ref = F.scaled_dot_product_attention(q64, k_all, v_all, attn_mask=mask, scale=d**-0.5).transpose(1, 2)
+        want = torch.autograd.grad(ref, [q64, ks64, vs64, *kp64, *vp64], dout.double())
+        out[str(dtype)] = {
+            "kernel": "split" if attn.kernels_for(dev, dtype) is not None else "fallback (sdpa with a mask)",
+            "out_err": _rel([o], [ref]),
+            "grad_err": _rel(got, want),
+        }
+    return out
+
+
+def stage_exactness(ctx) -> dict:
+    import torch
+
+    from forkrl.core import PrefixForest, TreeExecutor
+    from forkrl.core.testing.models import dense_logprobs
+    from forkrl.core.testing.models import tiny_causal_lm as make_model
+    from tests.core.forests import deep_tree, grpo_group
+
+    dev = ctx.device
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    out = {}
+    dtypes = (torch.float32, torch.bfloat16) if dev.type == "cuda" else (torch.float32,)
+    for name in ("llama-gqa", "qwen3"):
+        for dtype in dtypes:
+            for forest_name, make in (("grpo", lambda: grpo_group(group=6)), ("deep", deep_tree)):
+                model = make_model(name, dtype=dtype).to(dev)
+                seqs, sf = make()
+                g = torch.Generator().manual_seed(3)
+                coefs = [torch.randn(len(s) - f, generator=g).to(dev) for s, f in zip(seqs, sf, strict=True)]
+                model.zero_grad(set_to_none=True)
+                lps, _ = dense_logprobs(model, seqs, sf)
+                sum((lp * c).sum() for lp, c in zip(lps, coefs, strict=True)).backward()
+                g_ref = [p.grad.detach().clone() for p in model.parameters()]
+                forest = PrefixForest.build(seqs, sf)
+                for mode, block in (("keep", None), ("replay", 3), ("packed", None)):
+                    model.zero_grad(set_to_none=True)
+                    ex = TreeExecutor(model, mode=mode, block_size=block)
+                    res = ex.backward(forest, [c.float() for c in coefs])
+                    got = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+                    out[f"{name}/{dtype}/{forest_name}/{mode}"] = {
+                        "logprob_err": _rel(res.logprobs, [lp.detach() for lp in lps]),
+                        "grad_err": _rel(got, g_ref),
+                    }
+    worst = {}
+    for key, r in out.items():
+        dtype = key.split("/")[1]
+        worst[dtype] = max(worst.get(dtype, 0.0), r["grad_err"])
+    return {"worst_grad_err": worst, "cases": out}
+
+
+def _half_b(quick: bool):
+    """A 0.5B-shaped Llama (Qwen2.5-0.5B's widths), or a small one for the smoke test."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if quick:
+        fields = dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+        )
+    else:
+        fields = dict(
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            vocab_size=151936,
+        )
+    cfg = LlamaConfig(max_position_embeddings=1 << 21, **fields)
+    cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg)
+
+
+def stage_training(ctx) -> dict:
+    import torch
+
+    from benchmarks.tree_training import dense_step, grpo_batch
+    from forkrl.core import PrefixForest, TreeExecutor
+
+    dev, quick = ctx.device, ctx.quick
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    P, G, R = (64, 4, 16) if quick else (8192, 16, 512)
+    model = _half_b(quick).to(dev, dtype)
+    model.gradient_checkpointing_disable()
+    seqs, sf, coefs = grpo_batch(P, G, R, model.config.vocab_size)
+    forest = PrefixForest.build(seqs, sf)
+    row = {"P": P, "G": G, "R": R, "dtype": str(dtype), "ideal_token_ratio": forest.compression}
+    methods = {
+        "dense": lambda: dense_step(model, seqs, sf, coefs, 16384, grad=True),
+        "keep": lambda: TreeExecutor(model, mode="keep").backward(forest, coefs),
+        "keep1": lambda: TreeExecutor(model, mode="keep", leaf_batch_tokens=1).backward(forest, coefs),
+        "packed": lambda: TreeExecutor(model, mode="packed").backward(forest, coefs),
+    }
+    # Warm-up on a small batch, every method (kernels, allocator, the split's self-check).
+    w_seqs, w_sf, w_coefs = grpo_batch(64, 4, 16, model.config.vocab_size)
+    w_forest = PrefixForest.build(w_seqs, w_sf)
+    dense_step(model, w_seqs, w_sf, w_coefs, 16384, grad=True)
+    for kwargs in ({"mode": "keep"}, {"mode": "keep", "leaf_batch_tokens": 1}, {"mode": "packed"}):
+        TreeExecutor(model, **kwargs).backward(w_forest, w_coefs)
+    for name, fn in methods.items():
+        model.zero_grad(set_to_none=True)
+        _free(dev)
+        try:
+            with _peak(dev, row, f"{name}_peak_mb"):
+                row[f"{name}_s"], _ = _timed(dev, fn)
+        except torch.OutOfMemoryError as err:
+            row[f"{name}_error"] = f"out of memory: {str(err)[:200]}"
+        ctx.partial(row)
+    for name in ("keep", "keep1", "packed"):
+        if f"{name}_s" in row and "dense_s" in row:
+            row[f"{name}_speedup"] = row["dense_s"] / row[f"{name}_s"]
+    if "keep_s" in row and "packed_s" in row:
+        row["keep_over_packed"] = row["packed_s"] / row["keep_s"]
+    return row
+
+
+def stage_long_context(ctx) -> dict:
+    import torch
+
+    from benchmarks.tree_training import grpo_batch
+    from forkrl.core import PrefixForest, TreeExecutor
+
+    dev, quick = ctx.device, ctx.quick
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = _half_b(quick).to(dev, dtype)
+    R, block = (16, 64) if quick else (512, 4096)
+    P0 = 256 if quick else 32768
+    out: dict = {"R": R, "block": block, "dtype": str(dtype)}
+
+    def run(P: int, G: int) -> dict:
+        seqs, sf, coefs = grpo_batch(P, G, R, model.config.vocab_size)
+        forest = PrefixForest.build(seqs, sf)
+        ex = TreeExecutor(model, mode="replay", block_size=block, prompt_grad="exact")
+        model.zero_grad(set_to_none=True)
+        _free(dev)
+        r: dict = {"P": P, "G": G}
+        with _peak(dev, r, "peak_mb"):
+            r["seconds"], _ = _timed(dev, lambda: ex.backward(forest, coefs))
+        return r
+
+    out["g2"] = run(P0, 2)
+    ctx.partial(out)
+    out["g8"] = run(P0, 8)
+    if "peak_mb" in out["g2"]:
+        out["g8_over_g2_memory"] = out["g8"]["peak_mb"] / out["g2"]["peak_mb"]
+    ctx.partial(out)
+    P, fits = P0 * 2, []
+    limit = P0 * 4 if quick else 1 << 21
+    while P <= limit and ctx.left() > 30:
+        try:
+            fits.append(run(P, 2))
+        except torch.OutOfMemoryError:
+            out["first_oom_P"] = P
+            break
+        out["fits"] = fits
+        ctx.partial(out)
+        # The next doubling must fit in the time left (attention grows with P squared).
+        if fits[-1]["seconds"] * 4.5 > ctx.left():
+            break
+        P *= 2
+    out["longest_P"] = fits[-1]["P"] if fits else P0
+    return out
+
+
+def stage_drafter(ctx) -> dict:
+    import torch
+
+    from forkrl.core.quant import linear as qlinear
+    from forkrl.core.speculative import Drafter, SpeculationPolicy, SpeculativeSampler
+
+    dev, quick = ctx.device, ctx.quick
+    out: dict = {"kernels": {}}
+    for bits in (4, 8):
+        out["kernels"][f"int{bits}"] = qlinear._pick_kernel(bits, dev, 128)
+    # Matmul time, one layer of 4096 x 4096 (bf16 dense vs the drafter's kernel), batch 1-64.
+    k = 256 if quick else 4096
+    layer = torch.nn.Linear(k, k, bias=False).to(dev, torch.bfloat16)
+    table = {}
+    for bits in (4, 8):
+        q = qlinear.QuantLinear(k, k, bits=bits, device=dev)
+        q.load_(layer.weight)
+        table[f"int{bits}/kernel"] = q.kernel
+        for b in (1, 4, 16, 64):
+            x = torch.randn(b, k, device=dev, dtype=torch.bfloat16)
+            reps = 5 if quick else 50
+            t_q, _ = _timed(dev, lambda q=q, x=x, reps=reps: [q(x) for _ in range(reps)])
+            t_d, _ = _timed(dev, lambda x=x, reps=reps: [layer(x) for _ in range(reps)])
+            table[f"int{bits}/b{b}"] = {"quant_us": 1e6 * t_q / reps, "bf16_us": 1e6 * t_d / reps}
+    out["matmul"] = table
+    ctx.partial(out)
+    # Exact greedy equality and a rollout on a model large enough to be weight-bandwidth-bound.
+    model = _half_b(quick).to(dev, torch.bfloat16).eval()
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, vocab, (4, 32), generator=g).to(dev)
+    new = 16 if quick else 128
+    drafter = Drafter.from_policy(model, bits=4, group_size=32 if quick else 128)
+    out["drafter_kernel"] = drafter.kernel
+    plain = SpeculativeSampler(model, None, SpeculationPolicy.never())
+    spec = SpeculativeSampler(model, drafter, SpeculationPolicy.fixed(4))
+    t_plain, a = _timed(dev, lambda: plain.generate(prompts, max_new_tokens=new, temperature=0.0))
+    t_spec, b = _timed(dev, lambda: spec.generate(prompts, max_new_tokens=new, temperature=0.0))
+    ref = model.generate(prompts, max_new_tokens=new, do_sample=False, min_new_tokens=new)
+    out["greedy"] = {
+        "plain_equals_generate": bool(torch.equal(a.sequences[:, : ref.shape[1]], ref)),
+        "speculative_equals_plain": bool(torch.equal(a.sequences, b.sequences)),
+        "plain_s": t_plain,
+        "speculative_s": t_spec,
+        "acceptance": b.stats.as_metrics().get("spec/acceptance"),
+    }
+    return out
+
+
+STAGES = {
+    "env": (stage_env, 10),
+    "ops": (stage_ops, 30),
+    "attention": (stage_attention, 30),
+    "exactness": (stage_exactness, 60),
+    "training": (stage_training, 150),
+    "long_context": (stage_long_context, 90),
+    "drafter": (stage_drafter, 60),
+}
+
+
+class Context:
+    def __init__(self, device, quick: bool, deadline: float, report: Report, forkrl_source: str) -> None:
+        self.device, self.quick, self.deadline = device, quick, deadline
+        self.report, self.forkrl_source = report, forkrl_source
+        self.current = ""
+        self.stage_deadline = deadline
+
+    def left(self) -> float:
+        return min(self.deadline, self.stage_deadline) - time.monotonic()
+
+    def partial(self, result: dict) -> None:
+        """Write a stage's result so far (a later timeout keeps it)."""
+        self.report.stage(self.current, {"status": "running", **result})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="folder for gpu_check.json")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--budget", type=float, default=420.0, help="seconds for the whole run")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (the CPU smoke test)")
+    ap.add_argument("--stages", default=",".join(STAGES), help=f"comma list of: {', '.join(STAGES)}")
+    args = ap.parse_args()
+    start = time.monotonic()
+    report = Report(Path(args.out), args)
+    source = _import_forkrl()
+    import torch
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        report.stage("env", {"status": "error", "error": "CUDA is not available", "seconds": 0.0})
+        sys.exit(1)
+    ctx = Context(device, args.quick, start + args.budget, report, source)
+    failed = 0
+    for name in args.stages.split(","):
+        fn, budget = STAGES[name]
+        left = ctx.deadline - time.monotonic()
+        if left < min(budget, 20):
+            report.stage(name, {"status": "skipped", "why": f"{left:.0f} s left of the run's budget"})
+            continue
+        ctx.current, t0 = name, time.monotonic()
+        ctx.stage_deadline = t0 + min(budget, left)
+        try:
+            with _alarm(min(budget, left)):
+                result = fn(ctx)
+            status = result.pop("status", "ok")
+        except Exception as err:  # noqa: BLE001 - every failure is a result of the check
+            previous = report.data["stages"].get(name, {})
+            result = {k: v for k, v in previous.items() if k != "status"}
+            result["error"] = "".join(traceback.format_exception_only(type(err), err)).strip()[-2000:]
+            result["traceback"] = traceback.format_exc()[-4000:]
+            status = "timeout" if isinstance(err, StageTimeout) else "error"
+            failed += status == "error"
+        _free(device)
+        report.stage(name, {"status": status, "seconds": time.monotonic() - t0, **result})
+    report.data["seconds"] = time.monotonic() - start
+    report.write()
+    print(json.dumps({"gpu_check": str(report.path), "failed": failed, "seconds": report.data["seconds"]}))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
