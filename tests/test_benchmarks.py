@@ -71,6 +71,6 @@ def test_balance_fit_benchmark():
 
 def test_tree_training_plot(tmp_path):
     png = tmp_path / "speedup.png"
-    args = ["--models", "micro", "--P", "32,64", "--G", "2,3", "--R", "8", "--methods", "dense,keep", "--no-score"]
+    args = "--models micro --P 32,64 --G 2,3 --R 8 --methods dense,keep --no-score".split()
     res = _run("tree_training", *args, "--plot", str(png))
     assert len(res["rows"]) == 4 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

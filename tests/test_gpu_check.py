@@ -35,7 +35,13 @@ def test_gpu_check_runs_every_stage_on_cpu(tmp_path):
 def test_gpu_check_reports_a_failing_stage(tmp_path):
     """A stage's error is a result (written, exit status 1), not a crash that loses the others."""
     proc = subprocess.run(
-        [sys.executable, "scripts/gpu_check.py", "--out", str(tmp_path), "--device", "meta", "--stages", "env,ops"],
+        [
+            sys.executable,
+            "scripts/gpu_check.py",
+            "--out",
+            str(tmp_path),
+            *"--device meta --stages env,ops".split(),
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
