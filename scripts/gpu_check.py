@@ -331,11 +331,22 @@ def stage_exactness(ctx) -> dict:
                         "logprob_err": _rel(res.logprobs, [lp.detach() for lp in lps]),
                         "grad_err": _rel(got, g_ref),
                     }
-    worst = {}
+    worst = {"packed_backend": _packed_backend(dev)}
     for key, r in out.items():
         dtype = key.split("/")[1]
         worst[dtype] = max(worst.get(dtype, 0.0), r["grad_err"])
-    return {"worst_grad_err": worst, "cases": out}
+    backend = worst.pop("packed_backend")
+    return {"worst_grad_err": worst, "packed_backend": backend, "cases": out}
+
+
+def _packed_backend(dev) -> str:
+    from forkrl.core.executor import packed
+
+    if not packed._use_flex(dev):
+        return "dense mask" + (
+            " (FlexAttention failed: see the log)" if str(dev) in packed._FLEX_FAILED else ""
+        )
+    return "FlexAttention BlockMask"
 
 
 def _half_b(quick: bool):
@@ -400,6 +411,7 @@ def stage_training(ctx) -> dict:
         except torch.OutOfMemoryError as err:
             row[f"{name}_error"] = f"out of memory: {str(err)[:200]}"
         ctx.partial(row)
+    row["packed_backend"] = _packed_backend(dev)
     for name in ("keep", "keep1", "packed"):
         if f"{name}_s" in row and "dense_s" in row:
             row[f"{name}_speedup"] = row["dense_s"] / row[f"{name}_s"]

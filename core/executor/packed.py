@@ -1,10 +1,12 @@
 """Packed mode: the whole forest as one sequence with a tree attention mask.
 
 Exact for attention-only models (a recurrent or convolutional layer would mix sibling branches);
-an oracle in tests and the layout a GPU tree-mask kernel (FlexAttention) takes.
+an oracle in tests, and on CUDA the FlexAttention tree-mask path that keep mode is measured against.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -15,6 +17,8 @@ from .head import ScoredHead
 from .model import ModelAdapter
 
 __all__ = ["check_packed", "run_packed"]
+
+logger = logging.getLogger(__name__)
 
 
 def check_packed(adapter: ModelAdapter) -> None:
@@ -37,8 +41,43 @@ def check_packed(adapter: ModelAdapter) -> None:
         )
 
 
+# Set after a FlexAttention failure on a device: packed mode then uses the dense mask there.
+_FLEX_FAILED: set[str] = set()
+
+
+def _flex_block_mask(ends: torch.Tensor):
+    """FlexAttention ``BlockMask`` of the tree mask (``mask_mod``: ``k <= q < subtree_end[k]``)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, q, k):
+        return (k <= q) & (q < ends[k])
+
+    n = len(ends)
+    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=n, KV_LEN=n, device=ends.device)
+
+
+def _use_flex(device: torch.device) -> bool:
+    """FlexAttention on CUDA (it has no backward on the CPU), unless it failed there before."""
+    return device.type == "cuda" and str(device) not in _FLEX_FAILED
+
+
+def _dense_mask(adapter: ModelAdapter, ends: torch.Tensor) -> torch.Tensor:
+    mask = tree_mask(ends)
+    if adapter.attn_implementation == "eager":  # eager adds its mask
+        dtype = adapter.head.weight.dtype
+        return torch.zeros(mask.shape, dtype=dtype, device=ends.device).masked_fill_(
+            ~mask, torch.finfo(dtype).min
+        )
+    return mask
+
+
 def run_packed(adapter: ModelAdapter, forest: PrefixForest, grad: bool, head: ScoredHead) -> None:
-    """Score (or, with ``grad``, backpropagate through) every entry of ``forest`` in one forward."""
+    """Score (or, with ``grad``, backpropagate through) every entry of ``forest`` in one forward.
+
+    On CUDA the tree mask is a FlexAttention ``BlockMask`` (compiled kernels skip the masked
+    blocks; the model's attention is switched to ``flex_attention`` for the pass); elsewhere, or
+    after FlexAttention failed on the device (logged once), a dense ``[total, total]`` mask.
+    """
     device = adapter.head.weight.device
     nodes = forest.nodes
     offsets = [0]
@@ -46,12 +85,7 @@ def run_packed(adapter: ModelAdapter, forest: PrefixForest, grad: bool, head: Sc
         offsets.append(offsets[-1] + len(n.tokens))
     ids = torch.cat([n.tokens for n in nodes]).to(device).unsqueeze(0)
     pos = torch.cat([torch.arange(n.start, n.end) for n in nodes]).to(device).unsqueeze(0)
-    mask = tree_mask(subtree_ends([len(n.tokens) for n in nodes], [n.parent for n in nodes]).to(device))
-    if adapter.attn_implementation == "eager":  # eager adds its mask
-        dtype = adapter.head.weight.dtype
-        attn = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
-    else:
-        attn = mask
+    ends = subtree_ends([len(n.tokens) for n in nodes], [n.parent for n in nodes]).to(device)
     rows = torch.cat([n.rows + offsets[n.index] for n in nodes])
     entry_row, base = [], 0
     for n in nodes:
@@ -59,10 +93,26 @@ def run_packed(adapter: ModelAdapter, forest: PrefixForest, grad: bool, head: Sc
         base += len(n.rows)
     entry_target = torch.cat([n.entry_target for n in nodes])
     with torch.set_grad_enabled(grad):
-        hidden = adapter.hidden(ids, pos, cache=None, attention_mask=attn[None, None])[0]
+        hidden = _forward(adapter, ids, pos, ends)
         h_rows = hidden[rows.to(device)]
     out_rows, g = head.rows(
         h_rows, torch.cat(entry_row), torch.arange(forest.num_entries), entry_target, grad
     )
     if grad and out_rows is not None and out_rows.requires_grad:
         torch.autograd.backward([out_rows], [g])
+
+
+def _forward(adapter: ModelAdapter, ids: torch.Tensor, pos: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``[total, hidden]`` final hidden states of the packed forest under its tree mask."""
+    device = ends.device
+    if _use_flex(device):
+        try:
+            block_mask = _flex_block_mask(ends)
+            with adapter.attention_implementation("flex_attention"):
+                return adapter.hidden(ids, pos, cache=None, attention_mask=block_mask)[0]
+        except (RuntimeError, ImportError, TypeError, ValueError) as err:  # compile or kernel failure
+            _FLEX_FAILED.add(str(device))
+            logger.warning(
+                "packed mode: FlexAttention failed on %s (%s); using a dense tree mask", device, err
+            )
+    return adapter.hidden(ids, pos, cache=None, attention_mask=_dense_mask(adapter, ends)[None, None])[0]

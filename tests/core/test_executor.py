@@ -444,3 +444,28 @@ def test_split_kernel_self_check_catches_a_wrong_kernel():
 
     why = attn._self_check(torch.device("cpu"), torch.float32, (shifted, compat.flash_cpu_backward))
     assert why is not None and "differs" in why
+
+
+def test_packed_flex_block_mask_is_the_tree_mask(monkeypatch):
+    """The FlexAttention BlockMask packed mode uses on CUDA (forced here, forward only: FlexAttention
+    has no CPU backward) scores the forest as the dense tree mask does, through transformers'
+    flex_attention; the model's attention implementation is restored after."""
+    import forkrl.core.executor.packed as packed
+
+    model = make_model("llama-gqa", dtype=torch.float32)
+    seqs, sf = deep_tree()
+    forest = PrefixForest.build(seqs, sf)
+    want = TreeExecutor(model, mode="packed").score(forest).logprobs
+    monkeypatch.setattr(packed, "_use_flex", lambda device: True)
+    calls = {"n": 0}
+    real = packed._flex_block_mask
+
+    def counted(ends):
+        calls["n"] += 1
+        return real(ends)
+
+    monkeypatch.setattr(packed, "_flex_block_mask", counted)
+    got = TreeExecutor(model, mode="packed").score(forest).logprobs
+    assert calls["n"] == 1
+    assert max_rel_err(got, want) < 1e-5
+    assert model.config._attn_implementation == "sdpa"
