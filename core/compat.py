@@ -28,6 +28,9 @@ from transformers.cache_utils import (
 __all__ = [
     "CHECKED",
     "PRIVATES",
+    "Private",
+    "check_private",
+    "parameter_names",
     "Cache",
     "DynamicCache",
     "DynamicLayer",
@@ -97,10 +100,22 @@ def _private(name: str, why: str) -> Callable[[Callable[[], None]], Callable[[],
     return register
 
 
-def _params(fn: Callable) -> list[str]:
+def parameter_names(fn: Callable) -> list[str]:
+    """The names of ``fn``'s parameters, in order (what a private's check compares)."""
     import inspect
 
     return list(inspect.signature(fn).parameters)
+
+
+def check_private(private: Private, library: str, checked: str) -> None:
+    """Run ``private.check()``; any failure becomes an AssertionError naming the entry, what
+    relies on it and the version it was read from (``library`` changed: ...)."""
+    try:
+        private.check()
+    except Exception as err:  # noqa: BLE001 - any breakage names the entry
+        raise AssertionError(
+            f"{library} changed: {private.name} ({private.why}), checked against {checked}: {err!r}"
+        ) from err
 
 
 # ---------------------------------------------------------------------------- attention selection
@@ -199,7 +214,7 @@ def _check_cache_layers() -> None:
     cache = DynamicCache(config=LlamaConfig(num_hidden_layers=2))
     assert len(cache.layers) == 2 and type(cache.layers[0]) is DynamicLayer
     cache.layers = list(cache.layers)
-    assert "layers" in _params(Cache.__init__)
+    assert "layers" in parameter_names(Cache.__init__)
 
 
 def replace_layers(cache: DynamicCache, layers: list) -> None:
@@ -220,12 +235,12 @@ def init_cache(cache: Cache, layers: list) -> None:
 )
 def _check_dynamic_layer() -> None:
     layer = DynamicLayer()
-    assert _params(DynamicLayer.lazy_initialization) == ["self", "key_states", "value_states"]
+    assert parameter_names(DynamicLayer.lazy_initialization) == ["self", "key_states", "value_states"]
     assert not layer.is_initialized
     k = torch.zeros(1, 1, 2, 4)
     seed_layer(layer, k, k)
     assert layer.is_initialized and layer.keys is k and layer.get_seq_length() == 2
-    assert _params(DynamicLayer.get_mask_sizes) == ["self", "query_length"]
+    assert parameter_names(DynamicLayer.get_mask_sizes) == ["self", "query_length"]
     assert callable(DynamicLayer.batch_select_indices)
 
 
@@ -285,13 +300,13 @@ def _check_state_layer() -> None:
     layer = LinearAttentionLayer(number_of_states=1)
     for name in _STATE_FIELDS:
         assert hasattr(layer, name), name
-    assert _params(LinearAttentionLayer.update_conv_state)[:4] == [
+    assert parameter_names(LinearAttentionLayer.update_conv_state)[:4] == [
         "self",
         "conv_states",
         "state_idx",
         "conv_kernel_size",
     ]
-    assert _params(LinearAttentionLayer.update_recurrent_state)[:3] == [
+    assert parameter_names(LinearAttentionLayer.update_recurrent_state)[:3] == [
         "self",
         "recurrent_states",
         "state_idx",

@@ -3,7 +3,7 @@
 OpenRLHF has no plugin interface: its CLI builds the Ray actors from module-level names, and its
 actors build their trainer from a module-level name. The plugin swaps those names for forkrl's
 subclasses (:data:`SWAPS`, scoped with :func:`swapped`), and reads a few privates through the
-accessors below. Each :class:`HostPrivate` says what is relied on, and
+accessors below. Each :class:`Private` says what is relied on, and
 ``tests/openrlhf/test_openrlhf_contract.py`` checks every entry against the installed OpenRLHF,
 so an upgrade that changes one fails in one test with the entry's name.
 """
@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
 import torch
 
+from forkrl.core.compat import Private, check_private, parameter_names
+
 __all__ = [
     "CHECKED",
     "PRIVATES",
     "SWAPS",
-    "HostPrivate",
+    "Private",
     "check",
     "engine_of",
     "is_partitioned",
@@ -112,19 +113,6 @@ def zero_stage(engine: Any) -> int:
 
 
 # ---------------------------------------------------------------------- the contract
-@dataclass(frozen=True)
-class HostPrivate:
-    """One fact about OpenRLHF: ``check()`` raises AssertionError (naming it) when it changed."""
-
-    name: str
-    why: str
-    check: Callable[[], None]
-
-
-def _params(fn) -> list[str]:
-    return list(inspect.signature(fn).parameters)
-
-
 def _swaps() -> None:
     import importlib
 
@@ -167,7 +155,7 @@ def _window() -> None:
 def _training_step() -> None:
     from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
-    assert _params(ActorPPOTrainer.training_step) == [
+    assert parameter_names(ActorPPOTrainer.training_step) == [
         "self",
         "experience",
         "kl_ctl",
@@ -206,13 +194,13 @@ def _scoring() -> None:
     from openrlhf.trainer.ray.launcher import ReferenceModelActor
     from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
-    assert _params(PolicyModelActor.__ray_actor_class__.forward)[:4] == [
+    assert parameter_names(PolicyModelActor.__ray_actor_class__.forward)[:4] == [
         "self",
         "sequences",
         "action_mask",
         "attention_mask",
     ]
-    assert _params(ReferenceModelActor.__ray_actor_class__.forward)[:4] == [
+    assert parameter_names(ReferenceModelActor.__ray_actor_class__.forward)[:4] == [
         "self",
         "sequences",
         "action_mask",
@@ -227,25 +215,22 @@ def _strategy() -> None:
     assert "model.step()" in inspect.getsource(DeepspeedStrategy.optimizer_step)
 
 
-PRIVATES: tuple[HostPrivate, ...] = (
-    HostPrivate("swaps", "the names SWAPS replaces exist and are looked up where the plugin expects", _swaps),
-    HostPrivate("window", "ppo_train groups micro-batches with iter_grad_accum_global_norm", _window),
-    HostPrivate(
+PRIVATES: tuple[Private, ...] = (
+    Private("swaps", "the names SWAPS replaces exist and are looked up where the plugin expects", _swaps),
+    Private("window", "ppo_train groups micro-batches with iter_grad_accum_global_norm", _window),
+    Private(
         "training_step",
         "its loss half (actor, PolicyLoss, KL, entropy, strategy.backward) runs on tree leaves; its tail "
         "(optimizer step, EMA, grad norm, lr) is mirrored by the plugin",
         _training_step,
     ),
-    HostPrivate("actor_layout", "Actor.forward's positions, log-prob columns and temperature", _actor_layout),
-    HostPrivate("scoring", "old and reference log-probs come through the actors' forward", _scoring),
-    HostPrivate("strategy", "DeepspeedStrategy.backward/optimizer_step call the engine's", _strategy),
+    Private("actor_layout", "Actor.forward's positions, log-prob columns and temperature", _actor_layout),
+    Private("scoring", "old and reference log-probs come through the actors' forward", _scoring),
+    Private("strategy", "DeepspeedStrategy.backward/optimizer_step call the engine's", _strategy),
 )
 
 
 def check() -> None:
     """Check every entry of :data:`PRIVATES` (AssertionError naming the first that changed)."""
     for entry in PRIVATES:
-        try:
-            entry.check()
-        except AssertionError as err:
-            raise AssertionError(f"OpenRLHF private {entry.name!r} changed ({entry.why}): {err}") from err
+        check_private(entry, "OpenRLHF", CHECKED)

@@ -1,6 +1,6 @@
 """Every veRL private the veRL plugin relies on, in one place.
 
-Each :class:`HostPrivate` names a function, method, field or layout fact of veRL the plugin uses,
+Each :class:`Private` names a function, method, field or layout fact of veRL the plugin uses,
 the version it was read from, and why; ``tests/plugins/verl/test_verl_contract.py`` checks every
 entry against the installed veRL, so an upgrade that changes one fails in one test with the
 entry's name. The accessors below are the plugin's only way into veRL's internals.
@@ -9,15 +9,15 @@ entry's name. The accessors below are the plugin's only way into veRL's internal
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
+
+from forkrl.core.compat import Private, check_private, parameter_names
 
 __all__ = [
     "CHECKED",
     "PRIVATES",
-    "HostPrivate",
+    "Private",
     "check",
     "global_batch_info",
     "micro_batches",
@@ -29,24 +29,16 @@ __all__ = [
 CHECKED = "verl 0.9.1 (transformers 5.10.4, tensordict 0.10.0)"
 
 
-@dataclass(frozen=True)
-class HostPrivate:
-    """One private of veRL: ``check()`` raises AssertionError (naming it) when it changed."""
-
-    name: str
-    why: str
-    check: Callable[[], None]
-
-
-def _params(fn) -> list[str]:
-    return list(inspect.signature(fn).parameters)
-
-
 def _engine_methods() -> None:
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngine, FSDPEngineWithLMHead
 
-    assert _params(FSDPEngine.forward_backward_batch)[:4] == ["self", "data", "loss_function", "forward_only"]
-    assert _params(FSDPEngineWithLMHead.forward_step)[:4] == [
+    assert parameter_names(FSDPEngine.forward_backward_batch)[:4] == [
+        "self",
+        "data",
+        "loss_function",
+        "forward_only",
+    ]
+    assert parameter_names(FSDPEngineWithLMHead.forward_step)[:4] == [
         "self",
         "micro_batch",
         "loss_function",
@@ -66,13 +58,13 @@ def _engine_methods() -> None:
 def _micro_batching() -> None:
     from verl.workers.engine import utils
 
-    assert _params(utils.prepare_micro_batches)[:4] == [
+    assert parameter_names(utils.prepare_micro_batches)[:4] == [
         "data",
         "dp_group",
         "num_batches_divided_by",
         "same_micro_num_in_dp",
     ]
-    assert _params(utils.postprocess_batch_func) == ["output_lst", "indices", "data"]
+    assert parameter_names(utils.postprocess_batch_func) == ["output_lst", "indices", "data"]
 
 
 def _output_layout() -> None:
@@ -102,7 +94,7 @@ def _actor_config() -> None:
 def _registry() -> None:
     from verl.workers.engine.base import EngineRegistry
 
-    assert _params(EngineRegistry.register)[:3] == ["model_type", "backend", "device"]
+    assert parameter_names(EngineRegistry.register)[:3] == ["model_type", "backend", "device"]
 
 
 def _tensordict_utils() -> None:
@@ -112,51 +104,42 @@ def _tensordict_utils() -> None:
         assert callable(getattr(tu, name)), name
 
 
-PRIVATES: tuple[HostPrivate, ...] = (
-    HostPrivate(
+PRIVATES: tuple[Private, ...] = (
+    Private(
         "FSDPEngine.forward_backward_batch / FSDPEngineWithLMHead.forward_step",
         "overridden (forward_backward_batch) and mirrored: the global token count, dp size and sp size it sets "
         "before micro-batching feed veRL's loss normalisation",
         _engine_methods,
     ),
-    HostPrivate(
+    Private(
         "engine.utils.prepare_micro_batches / postprocess_batch_func",
         "the host's own micro-batch partition (fixed or dynamic) is kept, and its outputs reordered as stock",
         _micro_batching,
     ),
-    HostPrivate(
+    Private(
         "prepare_model_outputs: nested log_probs/entropy over whole rows, rolled by one",
         "the tree's scores are placed in the same layout (RowLayout.packed, align='next')",
         _output_layout,
     ),
-    HostPrivate(
+    Private(
         "workers.utils.padding.no_padding_2_padding",
         "veRL's loss reads the response's scores at [offset - resp_len - 1, offset - 1); prompt lengths come "
         "from the same fields",
         _loss_slicing,
     ),
-    HostPrivate(
+    Private(
         "FSDPActorConfig.__post_init__ copies actor.strategy onto engine_config",
         "forkrl's config subclass names the engine backend after that copy (the actor keeps strategy fsdp2)",
         _actor_config,
     ),
-    HostPrivate(
-        "EngineRegistry.register", "forkrl's engine is registered under backend fsdp2_tree", _registry
-    ),
-    HostPrivate(
-        "verl.utils.tensordict_utils", "non-tensor batch fields (flags, normalisers)", _tensordict_utils
-    ),
+    Private("EngineRegistry.register", "forkrl's engine is registered under backend fsdp2_tree", _registry),
+    Private("verl.utils.tensordict_utils", "non-tensor batch fields (flags, normalisers)", _tensordict_utils),
 )
 
 
-def check(private: HostPrivate) -> None:
+def check(private: Private) -> None:
     """Raise AssertionError naming the entry when the installed veRL no longer matches it."""
-    try:
-        private.check()
-    except Exception as err:  # noqa: BLE001 - any breakage names the entry
-        raise AssertionError(
-            f"veRL changed: {private.name} ({private.why}), checked against {CHECKED}: {err!r}"
-        ) from err
+    check_private(private, "veRL", CHECKED)
 
 
 # ---------------------------------------------------------------------------- accessors
