@@ -32,6 +32,7 @@ __all__ = [
     "dense_logprobs",
     "flops_per_token",
     "grads",
+    "grpo_rollouts",
     "llama",
     "max_rel_err",
     "save_pretrained",
@@ -263,6 +264,26 @@ def dense_logprobs(model, sequences, score_from, temperature: float = 1.0, entro
         if entropy:
             ents.append(-(logp.exp() * logp).sum(-1)[sf - 1 : -1])
     return lps, (ents if entropy else None)
+
+
+def grpo_rollouts(
+    seed: int = 0, groups: int = 2, n: int = 4, prompt: int = 12, response: int = 7, vocab: int = 250
+) -> list[tuple[list[int], list[int]]]:
+    """GRPO-shaped ``(prompt, response)`` token lists for host tests: ``groups`` prompts (sharing a
+    system opening) with ``n`` responses each, of varying lengths; some responses extend others, one
+    repeats."""
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda k: torch.randint(0, vocab, (k,), generator=g).tolist()  # noqa: E731
+    system = rand(prompt // 2)
+    out = []
+    for q in range(groups):
+        p = system + rand(prompt - len(system) - q)
+        first = rand(response)
+        for k in range(n):
+            r = first[: 1 + (k * 3) % response] if k % 2 else rand(1 + (k * 5) % response)
+            out.append((p, r))
+    out[-1] = out[-2]
+    return out
 
 
 def grads(model: nn.Module) -> list[torch.Tensor]:

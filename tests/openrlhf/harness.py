@@ -40,7 +40,7 @@ from openrlhf.trainer.ray import ppo_actor  # noqa: E402
 from openrlhf.utils import get_strategy  # noqa: E402
 from openrlhf.utils.deepspeed import deepspeed as ds_module  # noqa: E402
 
-from forkrl.core.testing.models import byte_llama, byte_tokenizer, save_pretrained  # noqa: E402
+from forkrl.core.testing.models import byte_llama, byte_tokenizer, grpo_rollouts, save_pretrained  # noqa: E402
 from forkrl.plugins.openrlhf.train_ppo_ray import parse_args  # noqa: E402
 from forkrl.plugins.openrlhf.trainer import TreeActorPPOTrainer  # noqa: E402
 
@@ -136,23 +136,7 @@ def _without_forkrl(args):
     return args
 
 
-def rollouts(
-    seed: int = 0, groups: int = 2, n: int = 4, prompt: int = 12, response: int = 7, vocab: int = 250
-):
-    """GRPO-shaped rollouts: ``groups`` prompts (sharing a system opening) with ``n`` responses each,
-    of varying lengths; some responses extend others, one repeats."""
-    g = torch.Generator().manual_seed(seed)
-    rand = lambda k: torch.randint(0, vocab, (k,), generator=g).tolist()  # noqa: E731
-    system = rand(prompt // 2)
-    out = []
-    for q in range(groups):
-        p = system + rand(prompt - len(system) - q)
-        first = rand(response)
-        for k in range(n):
-            r = first[: 1 + (k * 3) % response] if k % 2 else rand(1 + (k * 5) % response)
-            out.append((p, r))
-    out[-1] = out[-2]
-    return out
+rollouts = grpo_rollouts  # GRPO-shaped (prompt, response) token lists
 
 
 def experience(rows, seed: int = 0, kl: bool = True, per_token: bool = False) -> Experience:

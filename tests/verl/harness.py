@@ -42,7 +42,7 @@ from verl.workers.utils.losses import ppo_loss  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
 
 import forkrl.plugins.verl as fverl  # noqa: E402
-from forkrl.core.testing.models import byte_llama, byte_tokenizer, save_pretrained  # noqa: E402
+from forkrl.core.testing.models import byte_llama, byte_tokenizer, grpo_rollouts, save_pretrained  # noqa: E402
 from forkrl.plugins.verl.config import ForkrlFSDPActorConfig  # noqa: E402
 
 fverl.register()
@@ -93,21 +93,7 @@ def worker(
     return w
 
 
-def rows(seed: int = 0, groups: int = 2, n: int = 4, prompt: int = 12, response: int = 7, vocab: int = 250):
-    """GRPO-shaped rollouts: ``groups`` prompts (sharing a system opening) with ``n`` responses each,
-    of varying lengths; some responses extend others, one repeats."""
-    g = torch.Generator().manual_seed(seed)
-    rand = lambda k: torch.randint(0, vocab, (k,), generator=g).tolist()  # noqa: E731
-    system = rand(prompt // 2)
-    out = []
-    for q in range(groups):
-        p = system + rand(prompt - len(system) - q)
-        first = rand(response)
-        for k in range(n):
-            r = first[: 1 + (k * 3) % response] if k % 2 else rand(1 + (k * 5) % response)
-            out.append((p, r))
-    out[-1] = out[-2]
-    return out
+rows = grpo_rollouts  # GRPO-shaped (prompt, response) token lists
 
 
 def batch(rollouts, seed: int = 0, kl: bool = False, is_weights: bool = False) -> TensorDict:
