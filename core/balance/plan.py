@@ -125,11 +125,11 @@ def rows_bound(trees: Sequence[Tree], model: CostModel, rows_per_rank: int) -> f
         ends: dict[int, int] = {}
         for path in t.paths:
             ends[path[-1]] = ends.get(path[-1], 0) + 1
-        for path in t.paths:
+        for i, path in enumerate(t.paths):
             n = path[-1]
             length = t.lengths[n]
             leaf = PieceStats(length, length * t.starts[n] + length * (length + 1) / 2, 1.0, t._scored(n))
-            paths.append(model.predict(t.stats([t.paths.index(path)])))
+            paths.append(model.predict(t.stats([i])))
             margins.append(model.predict(leaf) if ends[n] == 1 else 0.0)
     others = rows_per_rank - 1
     order = sorted(margins)
