@@ -3,6 +3,8 @@
 - :mod:`.precision`: :class:`Float64Mode` (true float64 despite transformers' float32 casts).
 - :mod:`.memory`: :class:`SavedBytes` (autograd's saved-tensor peak), :func:`peak_rss_bytes`.
 - :mod:`.models`: tiny model and tokenizer builders, and the plain computation to compare with.
+- :mod:`.ranks`: multi-process runs (:func:`~.ranks.torchrun`, one-writer :func:`~.ranks.report`,
+  :func:`~.ranks.finish`).
 """
 
 from .memory import SavedBytes, peak_rss_bytes

@@ -9,12 +9,11 @@ must stop both ranks instead of leaving one waiting. Every run has a timeout: a 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from forkrl.core.testing.ranks import rank_lines, torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,16 +23,12 @@ from torch.distributed.fsdp import fully_shard
 from forkrl.core import RowLayout, TreeOptions, TreeStep
 from forkrl.core.testing import Float64Mode
 from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err, tiny_causal_lm
+from forkrl.core.testing.ranks import finish, report
 
 case = sys.argv[1]
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 
-def report(*lines):  # one writer: the ranks' prints would interleave
-    gathered = [None] * world
-    dist.all_gather_object(gathered, list(lines))
-    if rank == 0:
-        print("\n".join(line for part in gathered for line in part), flush=True)
 g = torch.Generator().manual_seed(100 + rank)
 rand = lambda n: torch.randint(0, 61, (n,), generator=g).tolist()
 if rank == 0:  # one group: a long prompt, completions that share openings
@@ -78,40 +73,27 @@ with Float64Mode():
     except (ValueError, RuntimeError) as err:
         untouched = all(p.grad is None for p in model.parameters())
         report(f"RANK {rank} RAISED {type(err).__name__}: {err}", f"RANK {rank} UNTOUCHED {untouched}")
-        dist.destroy_process_group()  # a live process group at interpreter exit can abort the process
+        finish()
         sys.exit(0)
     got = [p.grad.full_tensor() for p in model.parameters()]
     err = max_rel_err(got, want)
     dense_scored = layout.to_host(torch.cat([t.detach() for t in lps]))
     score_err = (scored - dense_scored).abs().max().item()
 report(f"RANK {rank} GRAD_ERR {err:.3e} SCORE_ERR {score_err:.3e} UNITS {res.forest.num_sequences}")
-dist.destroy_process_group()
+finish()
 """
 
 
 def _torchrun(tmp_path, case: str) -> str:
     script = tmp_path / "sharded.py"
     script.write_text(_SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(script),
-        case,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+    return torchrun(script, case, timeout=300, cwd=ROOT).stdout
 
 
 @pytest.mark.parametrize("case", ["keep", "replay", "tied"])
 def test_fsdp2_tree_step_equals_the_average_of_dense_gradients(case, tmp_path):
     out = _torchrun(tmp_path, case)
-    lines = [line for line in out.splitlines() if line.startswith("RANK")]
+    lines = rank_lines(out)
     assert len(lines) == 2, out
     for line in lines:
         fields = line.split()

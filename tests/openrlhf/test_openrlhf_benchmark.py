@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from forkrl.core.testing.ranks import clean_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,9 +26,8 @@ def test_openrlhf_step_benchmark_runs():
         "--steps",
         "1",
     ]
-    # This process may hold a one-rank gloo group (the other OpenRLHF tests): the benchmark starts its own.
-    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in launcher}
+    # This process may hold a one-rank gloo group (the other tests): the benchmark starts its own.
+    env = clean_env()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()

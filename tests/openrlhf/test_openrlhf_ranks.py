@@ -6,10 +6,9 @@ in the same order on every rank. A hang fails by the timeout."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from forkrl.core.testing.ranks import rank_lines, torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,6 +18,7 @@ sys.path.insert(0, {root!r})
 import torch, torch.distributed as dist
 from tests.openrlhf import harness as h
 from tests.openrlhf.test_openrlhf_trainer import _agreement, _run
+from forkrl.core.testing.ranks import finish, report
 rank = dist.get_rank()
 g = torch.Generator().manual_seed(7)
 rand = lambda n: torch.randint(0, 250, (n,), generator=g).tolist()
@@ -32,37 +32,16 @@ stock, s_status = _run(args, tree=False, rounds=rounds, kl_ctl=0.0)
 tree, t_status = _run(args, tree=True, rounds=rounds, kl_ctl=0.0)
 change, rel = _agreement(stock, tree)
 loss_s, loss_t = s_status[-1]["policy_loss"], t_status[-1]["policy_loss"]
-line = f"RANK {{rank}} REL {{rel:.3e}} CHANGE {{change:.3e}} LOSS {{loss_s:.6f}} {{loss_t:.6f}} GAS {{stock.strategy.accumulated_gradient}}"
-lines = [None] * dist.get_world_size()
-dist.all_gather_object(lines, line)
-if rank == 0:  # one writer: the ranks' prints would interleave
-    print("\n".join(lines), flush=True)
-import torch.distributed as _dist
-if _dist.is_initialized():  # a live process group at interpreter exit can abort the process (SIGABRT)
-    _dist.barrier()
-    _dist.destroy_process_group()
+report(f"RANK {{rank}} REL {{rel:.3e}} CHANGE {{change:.3e}} LOSS {{loss_s:.6f}} {{loss_t:.6f}} GAS {{stock.strategy.accumulated_gradient}}")
+finish()
 """
 
 
 def test_two_ranks_equal_stock(tmp_path):
     script = tmp_path / "ranks.py"
     script.write_text(_SCRIPT.format(root=str(ROOT)))
-    # This process may hold a one-rank gloo group (the other OpenRLHF tests): torchrun's ranks get their own.
-    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in launcher} | {"OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(script),
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-4000:]
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RANK")]
-    assert len(lines) == 2, out.stdout[-2000:]
+    lines = rank_lines(torchrun(script, cwd=ROOT).stdout)
+    assert len(lines) == 2, lines
     for line in lines:
         fields = line.split()
         assert float(fields[3]) < 1e-5 and float(fields[5]) > 1e-2, line

@@ -10,13 +10,14 @@ global batch. Every run has a timeout: a hang fails.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from forkrl.core.testing.ranks import clean_env, torchrun
 
 pytest.importorskip("trl")
 
@@ -60,10 +61,8 @@ if mode == "tree":
         torch.save(full, out / "tree.pt")
 else:
     torch.save(params, out / "stock.pt")
-import torch.distributed as _dist
-if _dist.is_initialized():  # a live process group at interpreter exit can abort the process (SIGABRT)
-    _dist.barrier()
-    _dist.destroy_process_group()
+from forkrl.core.testing.ranks import finish
+finish()
 """
 
 
@@ -76,12 +75,8 @@ def model_path(tmp_path_factory) -> str:
 def test_fsdp2_two_ranks_equal_stock_one_process(cfg, model_path, tmp_path):
     script = tmp_path / "fsdp.py"
     script.write_text(_SCRIPT.format(repo=str(REPO), model=model_path, cfg=cfg))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
-    tree = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), "tree", str(tmp_path), "2"],
-        capture_output=True, text=True, env=env, timeout=600, cwd=REPO,
-    )  # fmt: skip
-    assert tree.returncode == 0, tree.stderr[-4000:]
+    env = clean_env(OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1")
+    tree = torchrun(script, "tree", tmp_path, 2, cwd=REPO, TRL_EXPERIMENTAL_SILENCE="1")
     assert "FSDP2 MODULES" in tree.stdout and "TYPE DTensor" in tree.stdout, tree.stdout[-2000:]
     assert int(tree.stdout.split("FSDP2 MODULES")[1].split()[0]) >= 3  # decoder layers and the root
     stock = subprocess.run(

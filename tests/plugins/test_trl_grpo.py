@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
+from forkrl.core.testing.ranks import clean_env, torchrun
 
 trl = pytest.importorskip("trl")
 
@@ -256,36 +257,16 @@ params, tr = train({model!r}, out / mode, mode == "tree", per_device_train_batch
 if tr.accelerator.is_main_process:
     torch.save(params, out / (mode + ".pt"))
     print("WORLD", tr.accelerator.num_processes, tr.accelerator.distributed_type)
-import torch.distributed as _dist
-if _dist.is_initialized():  # a live process group at interpreter exit can abort the process (SIGABRT)
-    _dist.barrier()
-    _dist.destroy_process_group()
+from forkrl.core.testing.ranks import finish
+finish()
 """
 
 
 def test_data_parallel_two_processes_equals_one(model_path, init, tmp_path):
     script = tmp_path / "dp.py"
     script.write_text(_DP_SCRIPT.format(repo=str(REPO), model=model_path))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    dp = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            str(script),
-            "tree",
-            str(tmp_path),
-            "2",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert dp.returncode == 0, dp.stderr[-3000:]
+    env = clean_env(OMP_NUM_THREADS="1")
+    dp = torchrun(script, "tree", tmp_path, 2)
     assert "WORLD 2 DistributedType.MULTI_CPU" in dp.stdout
     one = subprocess.run(
         [sys.executable, str(script), "stock", str(tmp_path), "4"],

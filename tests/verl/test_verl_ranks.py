@@ -3,10 +3,9 @@ prompts, rank 1 rows that share nothing) and the tree engine's update still equa
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from forkrl.core.testing.ranks import rank_lines, torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -15,6 +14,7 @@ import sys
 sys.path.insert(0, {root!r})
 import torch, torch.distributed as dist
 from tests.verl import harness as h
+from forkrl.core.testing.ranks import finish, report
 rank = dist.get_rank()
 path = sys.argv[1]
 if rank == 0:
@@ -32,15 +32,8 @@ for step in range(2):
 a, b = h.parameters(tree), h.parameters(stock)
 change = max((b[n] - init[n]).abs().max().item() for n in b)
 rel = max((a[n] - b[n]).abs().max().item() for n in b) / change
-line = f"RANK {{rank}} REL {{rel:.3e}} CHANGE {{change:.3e}} LOSS {{ms['loss'][0]:.6f}} {{mt['loss'][0]:.6f}}"
-lines = [None] * dist.get_world_size()
-dist.all_gather_object(lines, line)
-if rank == 0:  # one writer: the ranks' prints would interleave
-    print("\n".join(lines), flush=True)
-import torch.distributed as _dist
-if _dist.is_initialized():  # a live process group at interpreter exit can abort the process (SIGABRT)
-    _dist.barrier()
-    _dist.destroy_process_group()
+report(f"RANK {{rank}} REL {{rel:.3e}} CHANGE {{change:.3e}} LOSS {{ms['loss'][0]:.6f}} {{mt['loss'][0]:.6f}}")
+finish()
 """
 
 
@@ -50,23 +43,8 @@ def test_two_ranks_equal_stock(tmp_path):
     path = save_pretrained(byte_llama(0), byte_tokenizer(), tmp_path / "model")
     script = tmp_path / "ranks.py"
     script.write_text(_SCRIPT.format(root=str(ROOT)))
-    # This process may hold a one-rank gloo group (other veRL tests): torchrun's ranks get their own.
-    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in launcher} | {"OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(script),
-        path,
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-4000:]
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RANK")]
-    assert len(lines) == 2, out.stdout[-2000:]
+    lines = rank_lines(torchrun(script, path, cwd=ROOT).stdout)
+    assert len(lines) == 2, lines
     for line in lines:
         fields = line.split()
         assert float(fields[3]) < 1e-4 and float(fields[5]) > 0, line
