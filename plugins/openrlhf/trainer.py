@@ -157,7 +157,7 @@ class TreeActorPPOTrainer(ActorPPOTrainer):
         try:
             self.tree_step.check_model(tree_module(self.actor))
         except UnsupportedModelError as err:
-            raise UnsupportedModelError(f"{err}; or train without {flag}") from err
+            raise err.for_host(f"train without {flag}") from err
 
     # ------------------------------------------------------------------ OpenRLHF hooks
     def ppo_train(self, kl_ctl: float):

@@ -139,7 +139,7 @@ class TreeTrainingMixin:
         try:
             self._tree_step.check_model(model)
         except UnsupportedModelError as err:
-            raise UnsupportedModelError(f"{err}; or turn tree_packing off") from err
+            raise err.for_host("turn tree_packing off") from err
         base = getattr(model, "get_base_model", lambda: model)()
         if getattr(getattr(base, "config", None), "position_embedding_type", None) == "absolute" or any(
             hasattr(m, name) for m in base.modules() for name in ("wpe", "embed_positions")

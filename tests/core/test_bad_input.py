@@ -230,3 +230,16 @@ def test_valid_options_pass():
     opts = SpeculativeOptions(speculative_rollout=True, speculative_policy="always", speculative_draft_len=3)
     assert opts.drafter_group_size == 128
     assert SpeculativeOptions(speculative_rollout=True, speculative_bits=8).drafter_group_size is None
+
+
+def test_unsupported_model_message_names_the_way_out_once():
+    """A plugin says how to switch tree training off in its host's words, once (not "...train this
+    model without tree_packing; or turn tree_packing off")."""
+    from forkrl.core import UnsupportedModelError
+
+    err = UnsupportedModelError("X has no LM head: train this model without tree_packing")
+    assert str(err.for_host("turn tree_packing off")) == "X has no LM head: turn tree_packing off"
+    other = UnsupportedModelError("packed mode needs sdpa: use mode='keep'")
+    assert str(other.for_host("train without --forkrl.tree_packing")) == (
+        "packed mode needs sdpa: use mode='keep'; or train without --forkrl.tree_packing"
+    )
