@@ -74,3 +74,13 @@ def test_tree_training_plot(tmp_path):
     args = "--models micro --P 32,64 --G 2,3 --R 8 --methods dense,keep --no-score".split()
     res = _run("tree_training", *args, "--plot", str(png))
     assert len(res["rows"]) == 4 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_balance_run_benchmark():
+    """Two real gloo ranks, with and without the balancer: the same gradients, the plan balanced."""
+    args = "--model micro --reps 1 --P-long 128 --P-short 16 --G 2 --R 16".split()
+    res = _run("balance_run", *args)
+    assert res["benchmark"] == "balance_run" and res["grad_agreement"] < 1e-5
+    (r0, r1) = res["ranks"]
+    assert sorted(r0["rows_balanced"] + r1["rows_balanced"]) == list(range(8))
+    assert max(r0["predicted_balanced"]) < max(r0["predicted_unbalanced"])
