@@ -1,19 +1,23 @@
 """Tree-aware data-parallel balancing (see :mod:`.plan`) with a cost model fitted to timings (:mod:`.cost`).
 
-Hosts are not wired to it yet: a plugin calls :func:`balance` on the step's forest (its
-:func:`trees_of_forest`) before rows are split over ranks, and moves rows as the plan says.
+A plugin either calls :func:`balance` on the step's forest (its :func:`trees_of_forest`) before
+rows are split over ranks, or lets :func:`rebalance` (:mod:`.exchange`) gather the ranks' rows,
+plan and hand each rank its share (TRL's ``tree_balance``).
 """
 
 from .cost import CostModel, PieceStats
+from .exchange import Rebalanced, rebalance
 from .plan import BalancePlan, Tree, balance, evaluate, rows_bound, trees_of_forest
 
 __all__ = [
     "BalancePlan",
     "CostModel",
     "PieceStats",
+    "Rebalanced",
     "Tree",
     "balance",
     "evaluate",
+    "rebalance",
     "rows_bound",
     "trees_of_forest",
 ]

@@ -66,6 +66,14 @@ class TreeOptions:
         "constant (LongStraw's truncated gradient; faster, not the host's update).",
     )
 
+    tree_balance: Literal["auto", "on", "off"] = option(
+        "auto",
+        "Balance each step's rows over the data-parallel ranks by predicted tree cost (groups kept whole, equal "
+        "rows per rank) before training them: the slowest rank, which every rank waits for, gets cheaper. The "
+        "update is unchanged where the host's loss normalisation does not depend on which rows share a rank. "
+        "'auto': on with more than one rank where the host's loss allows it; 'on': refuse a loss that does not; "
+        "'off': rows stay where the host put them.",
+    )
     _minimums: ClassVar[dict[str, int]] = {"tree_block_size": 1, "tree_replay_threshold": 1}
 
     def __post_init__(self) -> None:

@@ -116,6 +116,11 @@ def check_host_args(args: Any, options: TreeOptions) -> None:
             "outside DeepSpeed: use --ds.param_dtype bf16",
         ),
         (
+            options.tree_balance == "on",
+            "--forkrl.tree_balance on: OpenRLHF's plugin does not move rows between ranks yet (TRL's does): drop "
+            "it (the default, auto, leaves OpenRLHF's own split)",
+        ),
+        (
             (_get(args, "actor.aux_loss_coef", 0.0) or 0.0) > 1e-8,
             "--actor.aux_loss_coef > 0 adds the MoE router load-balancing loss, which the tree does not compute yet: "
             "use --actor.aux_loss_coef 0",

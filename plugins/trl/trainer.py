@@ -37,6 +37,7 @@ from forkrl.core.speculative import SelfSpeculativeRollout
 from forkrl.core.train import StepMetrics, is_fsdp2
 
 from . import compat
+from .balance import balance_window, unsafe_reason
 from .config import FORKRL_FIELDS, GRPOConfig, RLOOConfig
 
 __all__ = ["GRPOTrainer", "RLOOTrainer", "TreeTrainingMixin"]
@@ -91,6 +92,7 @@ class TreeTrainingMixin:
         self._tree_window: list[tuple[dict[str, Any], Any]] = []
         self._tree_leaves: tuple[torch.Tensor, torch.Tensor] | None = None
         self._tree_step: TreeStep | None = None
+        self._tree_balance = False
         self._spec_rollout: SelfSpeculativeRollout | None = None
         super().__init__(**arguments)
         if config.tree_enabled:
@@ -149,6 +151,7 @@ class TreeTrainingMixin:
                 "batch, so its log-probs depend on the padding and no tree can reproduce them; use a RoPE model, or "
                 "turn tree_packing off"
             )
+        self._tree_balance = self._balance_setting()
         if self.args.gradient_checkpointing and self.args.tree_mode == "auto":
             logger.info(
                 "gradient_checkpointing=True: tree training runs in replay mode (blocks of %d tokens re-forwarded "
@@ -156,6 +159,22 @@ class TreeTrainingMixin:
                 "passes",
                 self.args.replay_block_size,
             )
+
+    def _balance_setting(self) -> bool:
+        """Whether each step's rows are rebalanced over the data-parallel ranks (``tree_balance``)."""
+        choice = self.args.tree_balance
+        if choice == "off" or self.accelerator.num_processes == 1:
+            return False
+        why = unsafe_reason(self)
+        if why is not None:
+            if choice == "on":
+                raise ValueError(
+                    f"tree_balance='on' would change the update: {why}; set tree_balance='off' (or 'auto', which "
+                    "leaves the rows where TRL put them for such a loss)"
+                )
+            logger.info("tree_balance: rows stay where TRL put them (%s)", why)
+            return False
+        return True
 
     def _check_speculative_setup(self) -> None:
         model = self.accelerator.unwrap_model(self.model)
@@ -272,6 +291,10 @@ class TreeTrainingMixin:
     # ------------------------------------------------------------------ the window's update
     def _tree_update(self, model) -> torch.Tensor:
         window, self._tree_window = self._tree_window, []
+        balanced = None
+        if self._tree_balance:
+            device = window[0][0]["completion_ids"].device
+            window, balanced = balance_window(window, self._tokenizer.pad_token_id or 0, device)
         layouts = []
         for inputs, _ in window:
             present = [k for k in _MULTIMODAL_KEYS if inputs.get(k) is not None]
@@ -312,6 +335,10 @@ class TreeTrainingMixin:
                 device=window[0][0]["completion_ids"].device,
             )
         self._log_tree(result.metrics)
+        if balanced is not None:
+            sink = compat.metrics(self, "train")
+            for key, value in balanced.metrics().items():
+                sink[key].append(value)
         return result.loss
 
     def _scale_like_training_step(self, loss: torch.Tensor, num_items) -> torch.Tensor:

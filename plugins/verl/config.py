@@ -58,6 +58,11 @@ class ForkrlFSDPActorConfig(FSDPActorConfig):
                 "forkrl's tree engine cannot run with Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1): "
                 "set it to 1, or set forkrl.tree_packing: false"
             )
+        if options.tree_balance == "on":
+            raise ValueError(
+                "forkrl.tree_balance: on: veRL's plugin does not move rows between ranks yet (TRL's does); veRL's own "
+                "balance_batch stays in charge: drop the key (auto), or set it to off"
+            )
         object.__setattr__(self, "forkrl", dataclasses.asdict(options))
         if options.tree_enabled:
             object.__setattr__(self.engine, "strategy", BACKEND)

@@ -59,6 +59,7 @@ def test_bad_forkrl_flags_are_usage_errors(capsys, argv, needle):
         (["--ds.ring_attn_size", "2", "--ds.packing_samples"], "--ds.ring_attn_size"),
         (["--actor.aux_loss_coef", "0.01"], "--actor.aux_loss_coef"),
         (["--ds.param_dtype", "fp16"], "--ds.param_dtype fp16"),
+        (["--forkrl.tree_balance", "on"], "--forkrl.tree_balance on"),
         (
             ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "64"],
             "--train.dynamic_batch_enable",

@@ -251,12 +251,21 @@ import sys
 sys.path.insert(0, {repo!r})
 from pathlib import Path
 import torch
-from tests.plugins.trl_helpers import train
+from datasets import Dataset
+from tests.plugins.trl_helpers import prompt_dataset, train
 mode, out = sys.argv[1], Path(sys.argv[2])
-params, tr = train({model!r}, out / mode, mode == "tree", per_device_train_batch_size=int(sys.argv[3]), max_steps=2)
+kw = {{}}
+if len(sys.argv) > 4:  # skewed: long and short prompts (two whole groups per micro-batch and rank)
+    long, short = prompt_dataset(8, long=40)["prompt"], prompt_dataset(8)["prompt"]
+    kw = dict(dataset=Dataset.from_dict({{"prompt": [p for pair in zip(long, short) for p in pair]}}))
+    if mode == "tree":
+        kw["tree_balance"] = sys.argv[4]
+params, tr = train({model!r}, out / mode, mode == "tree", per_device_train_batch_size=int(sys.argv[3]), max_steps=2, **kw)
 if tr.accelerator.is_main_process:
     torch.save(params, out / (mode + ".pt"))
     print("WORLD", tr.accelerator.num_processes, tr.accelerator.distributed_type)
+    moved = [h["tree/balance_moved_rows"] for h in tr.state.log_history if "tree/balance_moved_rows" in h]
+    print("MOVED", sum(moved), len(moved))
 from forkrl.core.testing.ranks import finish
 finish()
 """
@@ -278,6 +287,42 @@ def test_data_parallel_two_processes_equals_one(model_path, init, tmp_path):
     assert one.returncode == 0, one.stderr[-3000:]
     tree, stock = torch.load(tmp_path / "tree.pt"), torch.load(tmp_path / "stock.pt")
     assert relative_difference(tree, stock, init) < TOL
+
+
+def test_tree_balance_moves_rows_and_keeps_the_update(model_path, init, tmp_path):
+    """Two ranks holding long- and short-prompt groups: tree_balance moves rows between them (logged)
+    and the parameters still equal stock TRL in one process on the same rollouts."""
+    script = tmp_path / "dp.py"
+    script.write_text(_DP_SCRIPT.format(repo=str(REPO), model=model_path))
+    dp = torchrun(script, "tree", tmp_path, 8, "on")
+    moved, steps = (float(x) for x in dp.stdout.split("MOVED")[1].split()[:2])
+    assert steps == 2 and moved > 0, dp.stdout[-2000:]
+    one = subprocess.run(
+        [sys.executable, str(script), "stock", str(tmp_path), "16", "on"],
+        capture_output=True,
+        text=True,
+        env=clean_env(OMP_NUM_THREADS="1"),
+        timeout=600,
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    tree, stock = torch.load(tmp_path / "tree.pt"), torch.load(tmp_path / "stock.pt")
+    assert relative_difference(tree, stock, init) < TOL
+
+
+def test_tree_balance_refuses_a_composition_dependent_loss(model_path, tmp_path):
+    from forkrl.plugins.trl import balance
+
+    class Fake:
+        loss_type, _entropy_bonus_enabled, top_entropy_quantile = "bnpo", False, 1.0
+
+        def _own_loss(self):
+            return True
+
+    assert "bnpo" in balance.unsafe_reason(Fake())
+    Fake.loss_type = "dapo"
+    assert balance.unsafe_reason(Fake()) is None
+    Fake._entropy_bonus_enabled = True
+    assert "entropy bonus" in balance.unsafe_reason(Fake())
 
 
 # ---------------------------------------------------------------------- configuration and contracts

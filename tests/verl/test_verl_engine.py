@@ -161,6 +161,8 @@ def test_config_errors():
         h.actor_config({"tree_packing": True, "tree_mode": "fast"})
     with pytest.raises(ValueError, match="Ulysses sequence parallelism"):
         h.actor_config({"tree_packing": True}, ulysses_sequence_parallel_size=2)
+    with pytest.raises(ValueError, match="tree_balance: on: veRL's plugin does not move rows"):
+        h.actor_config({"tree_packing": True, "tree_balance": "on"})
 
 
 def test_per_sample_temperatures_are_refused(model_path):
