@@ -152,6 +152,7 @@ class TreeExecutor:
         if mode == "packed":
             check_packed(self.adapter)
         self._warned_checkpointing = False
+        self._probed = False
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
@@ -276,6 +277,81 @@ class TreeExecutor:
         )
 
     def _run(
+        self, forest: PrefixForest, grad: bool, entropy: bool, coef: CoefficientFn | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self._probed:
+            self._probe()
+        return self._pass(forest, grad, entropy, coef)
+
+    def verify(self) -> TreeExecutor:
+        """Run the first-use probe now (see :meth:`_probe`; otherwise the first pass runs it).
+
+        Raises:
+            UnsupportedModelError: when the tree cannot reproduce the model's log-probs.
+        """
+        if not self._probed:
+            self._probe()
+        return self
+
+    @torch.no_grad()
+    def _probe(self) -> None:
+        """Before the first pass: the tree's log-probs of a small forest (a shared prefix, a batch of
+        two leaves, one branch deeper) must equal the model's own forward, in eval mode.
+
+        An architecture that breaks the cache contract (attention that ignores the keys its cache
+        returns, bidirectional encoders used as causal LMs, a head the adapter cannot see, masks the
+        split attention cannot take) is caught here, before any gradient or state changed: with
+        the split attention the pass falls back to the model's own attention (one log line) where
+        that agrees; otherwise UnsupportedModelError.
+        """
+        self._probed = True
+        seqs = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 3, 4, 9]]
+        forest = PrefixForest.build(seqs, [2, 2, 3])
+        training = {m: m.training for m in self.model.modules()}
+        self.model.eval()
+        try:  # in the parameters' dtype: the probe checks the architecture, not autocast's rounding
+            why = self._probe_error(forest, seqs)
+            if why is not None and self.mode != "packed" and self.split_attention:
+                self.split_attention = False
+                if self._probe_error(forest, seqs) is None:
+                    logger.warning(
+                        "%s: forkrl's mask-free split attention disagrees with the model on a probe (%s); tree "
+                        "passes use the model's own attention with a mask",
+                        self.adapter.name,
+                        why,
+                    )
+                    return
+        finally:
+            for m, was in training.items():
+                m.training = was
+        if why is not None:
+            raise UnsupportedModelError(
+                f"{self.adapter.name} does not follow the per-token cache contract a tree needs ({why}), so no "
+                f"{self.mode}-mode tree can reproduce its log-probs: train this model without tree_packing"
+            )
+
+    def _probe_error(self, forest: PrefixForest, seqs: list[list[int]]) -> str | None:
+        """None when the tree's log-probs of ``forest`` equal the model's forward, else why not."""
+        try:
+            with torch.autocast(self.device.type, enabled=False):
+                return self._probe_compare(forest, seqs)
+        except Exception as err:  # noqa: BLE001 - any failure on the probe is the model's incompatibility
+            return f"{type(err).__name__}: {str(err)[:200]}"
+
+    def _probe_compare(self, forest: PrefixForest, seqs: list[list[int]]) -> str | None:
+        lp, _ = self._pass(forest, grad=False, entropy=False, coef=None)
+        got = forest.gather(lp)
+        want = []
+        for seq, sf in zip(seqs, [2, 2, 3], strict=True):
+            ids = torch.tensor([seq], device=self.device)
+            logits = self.model(input_ids=ids).logits[0].to(self.dtype) / self.temperature
+            want.append(torch.log_softmax(logits, -1)[sf - 1 : -1].gather(-1, ids[0, sf:, None])[:, 0])
+        err = max(float((g.to(w.dtype) - w).abs().max()) for g, w in zip(got, want, strict=True))
+        half = self.adapter.head.weight.dtype not in (torch.float32, torch.float64)
+        tol = 5e-2 if half else 1e-6 if self.dtype == torch.float64 else 2e-3
+        return None if err <= tol else f"log-probs differ from the model's forward by {err:.1e}"
+
+    def _pass(
         self, forest: PrefixForest, grad: bool, entropy: bool, coef: CoefficientFn | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         lp = torch.zeros(forest.num_entries, dtype=self.dtype, device=self.device)

@@ -114,9 +114,10 @@ def test_replay_never_copies_the_prompt_cache(name, monkeypatch):
     assert max(meter.lengths) >= P
 
 
-def test_attention_that_bypasses_the_cache_pieces_is_refused(monkeypatch):
+def test_attention_that_bypasses_the_cache_pieces_falls_back_or_is_refused(monkeypatch, caplog):
     """A model whose attention does not get the keys its cache returned would silently drop the
-    ancestors' context; the adapter notices and names the alternative."""
+    ancestors' context: the first-use probe notices before any gradient changes, the pass falls back
+    to the model's own attention where that agrees (one log line), and is refused where nothing does."""
     import forkrl.core.attention.split as attn
     from forkrl.core import UnsupportedModelError
     from forkrl.core.executor import cache
@@ -130,8 +131,19 @@ def test_attention_that_bypasses_the_cache_pieces_is_refused(monkeypatch):
     monkeypatch.setattr(cache.PiecewiseLayer, "update", plain_update)
     model = make_model("llama-gqa", dtype=torch.float32)
     seqs, sf, coefs = _long_group(P=40, G=2, R=4, vocab=model.config.vocab_size)
-    with pytest.raises(UnsupportedModelError, match="split_attention=False"):
-        TreeExecutor(model, mode="replay", block_size=8).backward(PrefixForest.build(seqs, sf), coefs)
+    forest = PrefixForest.build(seqs, sf)
+    want, _ = dense_logprobs(model, seqs, sf)
+    ex = TreeExecutor(model, mode="replay", block_size=8)
+    with caplog.at_level("WARNING"):
+        res = ex.backward(forest, coefs)
+    assert "split attention disagrees" in caplog.text and not ex.split_attention
+    assert max_rel_err(res.logprobs, [w.detach() for w in want]) < 1e-5
+    # Nothing agrees: a cache that drops the ancestors' keys in every path is refused, nothing accumulated.
+    monkeypatch.setattr(cache.RecordingLayer, "update", plain_update)
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(UnsupportedModelError, match="cache contract"):
+        TreeExecutor(model, mode="replay", block_size=8).backward(forest, coefs)
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_prompt_blocks_share_one_cache_buffer_and_one_gradient_buffer(monkeypatch):
