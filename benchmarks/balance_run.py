@@ -24,7 +24,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -121,22 +120,12 @@ def rank_main(args) -> None:
 def launch(args) -> None:
     """Start ``--ranks`` ranks of this script (torchrun) and print their joint table and JSON."""
     from benchmarks.common import machine, print_table
-    from forkrl.core.testing.ranks import clean_env
+    from forkrl.core.testing.ranks import torchrun
 
-    argv = [a for a in sys.argv[1:]]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks)]
-    env = clean_env(OMP_NUM_THREADS="1", FORKRL_BALANCE_RUN_RANK="1")
-    proc = subprocess.run(
-        [*cmd, "-m", "benchmarks.balance_run", *argv],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=3600,
-    )
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stderr[-4000:])
-        raise SystemExit(proc.returncode)
+    proc = torchrun(
+        "benchmarks.balance_run", *sys.argv[1:], nproc=args.ranks, timeout=3600, cwd=REPO, module=True,
+        FORKRL_BALANCE_RUN_RANK="1",
+    )  # fmt: skip
     results = [
         json.loads(line[len("RESULT ") :]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")
     ]

@@ -258,7 +258,6 @@ def stage_ops(ctx) -> dict:
 def stage_attention(ctx) -> dict:
     """forkrl's split attention (a batch of siblings over shared pieces, GQA) against sdpa with a mask."""
     import torch
-    from torch.nn import functional as F
 
     from forkrl.core.attention import PastPieces, split_attention
     from forkrl.core.attention import split as attn
@@ -280,15 +279,10 @@ def stage_attention(ctx) -> dict:
         leaves = [q, ks, vs, *kp, *vp]
         got = torch.autograd.grad(o, leaves, dout)
         # Reference: float64, the context expanded per sequence, a bottom-right causal mask.
-        q64, ks64, vs64 = (t.detach().double().requires_grad_(True) for t in (q, ks, vs))
-        kp64 = [t.detach().double().requires_grad_(True) for t in kp]
-        vp64 = [t.detach().double().requires_grad_(True) for t in vp]
-        past = sum(pieces)
-        k_all = torch.cat([torch.cat(kp64, -2).expand(b, -1, -1, -1), ks64], -2).repeat_interleave(h // kv, 1)
-        v_all = torch.cat([torch.cat(vp64, -2).expand(b, -1, -1, -1), vs64], -2).repeat_interleave(h // kv, 1)
-        mask = torch.arange(ql, device=dev)[:, None] + past >= torch.arange(past + ql, device=dev)
-        ref = F.scaled_dot_product_attention(q64, k_all, v_all, attn_mask=mask, scale=d**-0.5).transpose(1, 2)
-        want = torch.autograd.grad(ref, [q64, ks64, vs64, *kp64, *vp64], dout.double())
+        ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+        ref = attn.reference_attention(*ref_leaves[:3], ref_leaves[3:5], ref_leaves[5:], d**-0.5)
+        ref = ref.transpose(1, 2)  # split_attention returns [b, q, h, d]
+        want = torch.autograd.grad(ref, ref_leaves, dout.double())
         out[str(dtype)] = {
             "kernel": "split" if attn.kernels_for(dev, dtype) is not None else "fallback (sdpa with a mask)",
             "out_err": _rel([o], [ref]),

@@ -34,7 +34,7 @@ from torch.nn import functional as F
 
 from .. import compat
 
-__all__ = ["NAME", "PastPieces", "kernels_for", "split_attention"]
+__all__ = ["NAME", "PastPieces", "kernels_for", "reference_attention", "split_attention"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ _KERNELS: dict[tuple[str, int | None, torch.dtype], tuple | None] = {}
 CUDA_MAX_HEAD_DIM = 256
 
 
-def kernels_for(device: torch.device, dtype: torch.dtype) -> tuple | None:
+def kernels_for(device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> tuple | None:
     """The ``(forward, backward)`` flash kernels split attention runs for ``dtype`` tensors on
     ``device``, both in the CPU kernel's form (``(out, lse)``; ``(dq, dk, dv)``), or None where there
     is none: then the model's attention runs with an explicit mask.
@@ -63,8 +63,10 @@ def kernels_for(device: torch.device, dtype: torch.dtype) -> tuple | None:
     once checked on this device against a float64 reference on a small random input (split, GQA
     folded, a batch over shared pieces, forward and backward); a failure or a disagreement logs one
     line saying why and selects the fallback. float32 on CUDA: the fallback (the flash kernel takes
-    half precision only).
+    half precision only), and head dimensions above :data:`CUDA_MAX_HEAD_DIM` (when given).
     """
+    if device.type == "cuda" and head_dim is not None and head_dim > CUDA_MAX_HEAD_DIM:
+        return None
     key = (device.type, device.index, dtype)
     if key not in _KERNELS:
         if device.type == "cpu":
@@ -83,6 +85,28 @@ def kernels_for(device: torch.device, dtype: torch.dtype) -> tuple | None:
     return _KERNELS[key]
 
 
+def reference_attention(q, k_self, v_self, keys, values, scale: float) -> torch.Tensor:
+    """What split attention computes, the plain way, in float64: the pieces concatenated and expanded
+    to every sequence and query head, one sdpa call with a bottom-right causal mask.
+
+    Args:
+        q: ``[b, h, q, d]``; k_self, v_self: ``[b, kv, q, d]``; keys, values: ``[1, kv, n_i, d]`` pieces.
+
+    Returns:
+        ``[b, h, q, d]`` float64 output, in the graph of the float64 copies' inputs.
+    """
+    b, h, q_len = q.shape[:3]
+    n_rep = h // k_self.shape[1]
+    past = sum(k.shape[-2] for k in keys)
+    k_all = torch.cat([torch.cat(list(keys), -2).double().expand(b, -1, -1, -1), k_self.double()], -2)
+    v_all = torch.cat([torch.cat(list(values), -2).double().expand(b, -1, -1, -1), v_self.double()], -2)
+    rows = torch.arange(q_len, device=q.device)[:, None] + past
+    mask = rows >= torch.arange(past + q_len, device=q.device)
+    return F.scaled_dot_product_attention(
+        q.double(), _expand(k_all, n_rep), _expand(v_all, n_rep), attn_mask=mask, scale=scale
+    )
+
+
 def _self_check(device: torch.device, dtype: torch.dtype, kernels: tuple) -> str | None:
     """None when the split over ``kernels`` matches float64 attention on a small input, else why not."""
     try:
@@ -96,14 +120,7 @@ def _self_check(device: torch.device, dtype: torch.dtype, kernels: tuple) -> str
         dout = rand(*out.shape)
         got = torch.autograd.grad(out, leaves, dout)
         ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
-        q64, ks64, vs64 = ref_leaves[:3]
-        k_all = torch.cat([torch.cat(ref_leaves[3:5], -2).expand(b, -1, -1, -1), ks64], -2)
-        v_all = torch.cat([torch.cat(ref_leaves[5:7], -2).expand(b, -1, -1, -1), vs64], -2)
-        n = sum(past)
-        mask = torch.arange(q_len, device=device)[:, None] + n >= torch.arange(n + q_len, device=device)
-        ref = F.scaled_dot_product_attention(
-            q64, _expand(k_all, h // kv), _expand(v_all, h // kv), attn_mask=mask, scale=d**-0.5
-        )
+        ref = reference_attention(*ref_leaves[:3], ref_leaves[3:5], ref_leaves[5:], d**-0.5)
         want = torch.autograd.grad(ref, ref_leaves, dout.double())
     except (RuntimeError, TypeError, ValueError, NotImplementedError) as err:
         return f"{type(err).__name__}: {err}"
@@ -288,11 +305,7 @@ def split_attention(
     small = q_len * past < MIN_SPLIT_ELEMENTS and query.shape[0] == 1
     # A plain cache's context may differ per sequence: the split folds only shared pieces.
     per_sequence = pieces is None and query.shape[0] > 1
-    kernels = (
-        None
-        if query.shape[-1] > CUDA_MAX_HEAD_DIM and query.is_cuda
-        else kernels_for(query.device, query.dtype)
-    )
+    kernels = kernels_for(query.device, query.dtype, query.shape[-1])
     if dropout > 0.0 or kernels is None or q_len == 1 or past == 0 or small or per_sequence:
         # Plain sdpa with an explicit bottom-right causal mask (dropout must use one kernel call).
         if pieces is not None and past > 0:

@@ -68,6 +68,10 @@ class ScoreResult:
     entry_entropies: torch.Tensor | None
 
 
+# The first-use probe's forest: a shared prefix, a batch of two leaves, one branch a node deeper.
+_PROBE = ([[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 3, 4, 9]], [2, 2, 3])
+
+
 def _positive_int(value, name: str, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -279,8 +283,7 @@ class TreeExecutor:
     def _run(
         self, forest: PrefixForest, grad: bool, entropy: bool, coef: CoefficientFn | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if not self._probed:
-            self._probe()
+        self.verify()
         return self._pass(forest, grad, entropy, coef)
 
     def verify(self) -> TreeExecutor:
@@ -305,15 +308,14 @@ class TreeExecutor:
         that agrees; otherwise UnsupportedModelError.
         """
         self._probed = True
-        seqs = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 3, 4, 9]]
-        forest = PrefixForest.build(seqs, [2, 2, 3])
+        forest = PrefixForest.build(*_PROBE)
         training = {m: m.training for m in self.model.modules()}
         self.model.eval()
         try:  # in the parameters' dtype: the probe checks the architecture, not autocast's rounding
-            why = self._probe_error(forest, seqs)
+            why = self._probe_error(forest)
             if why is not None and self.mode != "packed" and self.split_attention:
                 self.split_attention = False
-                if self._probe_error(forest, seqs) is None:
+                if self._probe_error(forest) is None:
                     logger.warning(
                         "%s: forkrl's mask-free split attention disagrees with the model on a probe (%s); tree "
                         "passes use the model's own attention with a mask",
@@ -330,19 +332,19 @@ class TreeExecutor:
                 f"{self.mode}-mode tree can reproduce its log-probs: train this model without tree_packing"
             )
 
-    def _probe_error(self, forest: PrefixForest, seqs: list[list[int]]) -> str | None:
+    def _probe_error(self, forest: PrefixForest) -> str | None:
         """None when the tree's log-probs of ``forest`` equal the model's forward, else why not."""
         try:
             with torch.autocast(self.device.type, enabled=False):
-                return self._probe_compare(forest, seqs)
+                return self._probe_compare(forest)
         except Exception as err:  # noqa: BLE001 - any failure on the probe is the model's incompatibility
             return f"{type(err).__name__}: {str(err)[:200]}"
 
-    def _probe_compare(self, forest: PrefixForest, seqs: list[list[int]]) -> str | None:
+    def _probe_compare(self, forest: PrefixForest) -> str | None:
         lp, _ = self._pass(forest, grad=False, entropy=False, coef=None)
         got = forest.gather(lp)
         want = []
-        for seq, sf in zip(seqs, [2, 2, 3], strict=True):
+        for seq, sf in zip(*_PROBE, strict=True):
             ids = torch.tensor([seq], device=self.device)
             logits = self.model(input_ids=ids).logits[0].to(self.dtype) / self.temperature
             want.append(torch.log_softmax(logits, -1)[sf - 1 : -1].gather(-1, ids[0, sf:, None])[:, 0])

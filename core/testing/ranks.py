@@ -30,17 +30,19 @@ def torchrun(
     nproc: int = 2,
     timeout: float = 600,
     cwd: str | Path | None = None,
+    module: bool = False,
     **env: str,
 ) -> subprocess.CompletedProcess:
-    """Run ``script args`` on ``nproc`` local ranks (``torchrun --standalone``, one OpenMP thread
-    each unless ``env`` says otherwise); a hang is a ``TimeoutExpired`` after ``timeout`` seconds.
+    """Run ``script args`` (with ``module``, ``-m script args``) on ``nproc`` local ranks
+    (``torchrun --standalone``, one OpenMP thread each unless ``env`` says otherwise); a hang is a
+    ``TimeoutExpired`` after ``timeout`` seconds.
 
     Raises:
         AssertionError: when the run fails, with the end of its stderr.
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     proc = subprocess.run(
-        [*cmd, str(script), *map(str, args)],
+        [*cmd, *(["-m"] if module else []), str(script), *map(str, args)],
         capture_output=True,
         text=True,
         env=clean_env(**{"OMP_NUM_THREADS": "1", **env}),
