@@ -19,6 +19,7 @@ from torch import nn
 from transformers import AttentionInterface, PretrainedConfig
 from transformers.cache_utils import (
     Cache,
+    DummyLayer,
     DynamicCache,
     DynamicLayer,
     DynamicSlidingWindowLayer,
@@ -34,6 +35,7 @@ __all__ = [
     "Cache",
     "DynamicCache",
     "DynamicLayer",
+    "DummyLayer",
     "DynamicSlidingWindowLayer",
     "LinearAttentionLayer",
     "Private",
@@ -56,7 +58,10 @@ __all__ = [
     "is_dtensor",
     "is_fsdp2_module",
     "mark_initialized",
+    "next_recurrent_state",
+    "out_of_place_ssm_step",
     "record_past",
+    "restarts_state",
     "reduce_scatter_like",
     "register_attention",
     "replace_layers",
@@ -347,6 +352,105 @@ def store_recurrent_state(layer: LinearAttentionLayer, state: torch.Tensor) -> N
 def record_past(layer: LinearAttentionLayer) -> None:
     """Make the model take its out-of-place multi-token path for every length."""
     layer.record_past = True
+
+
+# Mamba-2 mixers whose one-token step writes the cache's recurrent state in place (record_past
+# covers their conv; the SSM step ignores it).
+_SSM_MODULES = ("bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2")
+_SSM_STEP = "mamba2_selective_state_update"
+_SSM_ARGS = ["state", "hidden_states", "dt", "A", "B", "C", "D", "dt_bias", "dt_softplus", "z", "kwargs"]
+
+
+@_private(
+    "transformers.models.{bamba,falcon_h1,granitemoehybrid,nemotron_h,zamba2}.mamba2_selective_state_update",
+    "the Mamba-2 one-token SSM step (a module global the mixers call) writes the recurrent state in place "
+    "(state.copy_), which autograd cannot take through a state restored from a tree node: tree passes swap in "
+    "an out-of-place step with the same arguments",
+)
+def _check_ssm_step() -> None:
+    import importlib
+
+    for name in _SSM_MODULES:
+        module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        assert parameter_names(getattr(module, _SSM_STEP)) == _SSM_ARGS, name
+
+
+def _ssm_step(state, hidden_states, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False, z=None, **kwargs):
+    """One Mamba-2 SSM step, out of place: ``h' = exp(dt A) h + dt B x``, ``y = C h' + D x`` (gated
+    by ``silu(z)``), shapes as transformers' step (``state [b, heads, head_dim, n]``, ``x, dt
+    [b, heads, head_dim]``, ``B, C [b, groups, n]``); the next state rides on ``state.forkrl_next``."""
+    batch, heads, head_dim = hidden_states.shape
+    groups, n = B.shape[1], B.shape[-1]
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = torch.nn.functional.softplus(dt)
+    dt = dt[..., None]
+    decay = torch.exp(dt.float() * A.float()).to(device=state.device)
+
+    def per_head(t):  # [b, groups, n] -> [b, heads, n]
+        return t[:, :, None, :].expand(batch, groups, heads // groups, n).reshape(batch, heads, n)
+
+    inflow = (dt * per_head(B)[:, :, None, :] * hidden_states[..., None]).to(device=state.device)
+    ssm = state * decay + inflow
+    state.forkrl_next = ssm.to(state.dtype)
+    ssm = ssm.to(device=C.device, dtype=C.dtype)
+    out = (ssm * per_head(C)[:, :, None, :]).sum(-1)
+    if D is not None:
+        out = (out + hidden_states * D).to(out.dtype)
+    if z is not None:
+        out = out * torch.nn.functional.silu(z)
+    return out.to(hidden_states.dtype)
+
+
+@contextlib.contextmanager
+def out_of_place_ssm_step(model: nn.Module) -> Iterator[None]:
+    """For the duration, the Mamba-2 mixers of ``model`` take :func:`_ssm_step` for one-token steps."""
+    import sys
+
+    modules = {sys.modules.get(type(m).__module__) for m in model.modules()}
+    modules = [m for m in modules if m is not None and m.__name__.rsplit(".", 1)[-1].removeprefix("modeling_")
+               in _SSM_MODULES and hasattr(m, _SSM_STEP)]  # fmt: skip
+    saved = [(m, getattr(m, _SSM_STEP)) for m in modules]
+    for m, _ in saved:
+        setattr(m, _SSM_STEP, _ssm_step)
+    try:
+        yield
+    finally:
+        for m, fn in saved:
+            setattr(m, _SSM_STEP, fn)
+
+
+# Mamba-1 mixers whose torch path starts every multi-token input from a zero state: a tree node
+# cannot continue its parent's state there (module -> the scan that ignores it).
+_ZERO_START = {"transformers.models.jamba.modeling_jamba": "mamba_selective_scan"}
+
+
+@_private(
+    "transformers.models.jamba.modeling_jamba.mamba_selective_scan",
+    "Jamba's Mamba scan ignores a cached state for multi-token input (zero initial state): refused",
+)
+def _check_zero_start() -> None:
+    import importlib
+    import inspect
+
+    for module, name in _ZERO_START.items():
+        fn = getattr(importlib.import_module(module), name)
+        assert "ssm_state = torch.zeros(" in inspect.getsource(fn), module
+        assert not any("initial" in p for p in parameter_names(fn)), module
+
+
+def restarts_state(model: nn.Module) -> str | None:
+    """The class of a mixer in ``model`` that restarts its recurrent state on multi-token input, or None."""
+    for m in model.modules():
+        if type(m).__module__ in _ZERO_START and "Mamba" in type(m).__name__:
+            return type(m).__name__
+    return None
+
+
+def next_recurrent_state(state: torch.Tensor | None) -> torch.Tensor | None:
+    """The state :func:`_ssm_step` computed from ``state`` (None if it did not run on it)."""
+    return getattr(state, "forkrl_next", None) if state is not None else None
 
 
 # ---------------------------------------------------------------------------- torch ops

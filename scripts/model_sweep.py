@@ -63,6 +63,23 @@ TINY = dict(
     qk_nope_head_dim=4,
     v_head_dim=8,
 )
+# Hybrids whose layer pattern or mixer sizes the generic fields above do not reach (with two
+# layers of the default pattern they would hold no attention layer, or fail a size check).
+_MAMBA = dict(mamba_d_state=4, mamba_d_conv=3, mamba_expand=2)
+OVERRIDES = {
+    "bamba": dict(num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16,
+                  mamba_n_groups=2, mamba_chunk_size=4, **_MAMBA),
+    "nemotron_h": dict(num_hidden_layers=3, hybrid_override_pattern="*MM", mamba_num_heads=4, mamba_head_dim=16,
+                       n_groups=1, ssm_state_size=4, conv_kernel=3, expand=2, chunk_size=4),
+    "granitemoehybrid": dict(num_hidden_layers=3, layer_types=["attention", "mamba", "mamba"], mamba_n_heads=4,
+                             mamba_d_head=16, mamba_n_groups=1, mamba_chunk_size=4, **_MAMBA),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                  mamba_dt_rank=4, use_mamba_kernels=False, **_MAMBA),
+    "zamba2": dict(layers_block_type=["mamba", "hybrid"], mamba_headdim=16, n_mamba_heads=4, mamba_ngroups=1,
+                   chunk_size=4, attention_head_dim=8, num_mem_blocks=1, **_MAMBA),
+    "falcon_h1": dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_chunk_size=4, mamba_d_ssm=64,
+                      **_MAMBA),
+}  # fmt: skip
 MAX_PARAMS = 20_000_000
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
 MODES = (("keep", None), ("replay", 3), ("packed", None))
@@ -84,8 +101,14 @@ def build(model_type: str, class_name: str, dtype):
     config_cls = CONFIG_MAPPING[model_type]
     probe = config_cls()
     fields = {k: v for k, v in TINY.items() if hasattr(probe, k)}
+    fields.update(OVERRIDES.get(model_type, {}))
     layers = fields.get("num_hidden_layers", 2)
-    if isinstance(getattr(probe, "layer_types", None), (list, tuple)) and len(probe.layer_types) > layers:
+    pattern = "layer_types" in OVERRIDES.get(model_type, {}) or "hybrid_override_pattern" in fields
+    if (
+        not pattern
+        and isinstance(getattr(probe, "layer_types", None), (list, tuple))
+        and len(probe.layer_types) > layers
+    ):
         fields["layer_types"] = list(probe.layer_types)[:layers]
     try:
         config = config_cls(**fields)
@@ -93,13 +116,23 @@ def build(model_type: str, class_name: str, dtype):
         fields.pop("layer_types", None)
         config = config_cls(**fields)
     config._attn_implementation = "sdpa"
+    if dtype == torch.float64:  # grouped_mm (the default experts kernel) has no float64 kernel
+        from forkrl.core import compat
+
+        compat.set_experts_implementation(config, "eager")
     try:
         config.use_cache = True
     except AttributeError:
         pass
     cls = getattr(transformers, class_name)
     with torch.device("meta"):  # size first: fields the tiny overrides miss can make it huge
-        numel = sum(p.numel() for p in cls(config).parameters())
+        try:
+            numel = sum(p.numel() for p in cls(config).parameters())
+        except ValueError as err:  # no sdpa path (GPT-OSS's sinks, older models): their own eager attention
+            if "scaled_dot_product_attention" not in str(err):
+                raise
+            config._attn_implementation = "eager"
+            numel = sum(p.numel() for p in cls(config).parameters())
     if numel > MAX_PARAMS:
         raise ValueError(
             f"{numel / 1e6:.0f}M parameters at the tiny sizes (a field the sweep does not shrink)"

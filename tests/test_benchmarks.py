@@ -84,3 +84,11 @@ def test_balance_run_benchmark():
     (r0, r1) = res["ranks"]
     assert sorted(r0["rows_balanced"] + r1["rows_balanced"]) == list(range(8))
     assert max(r0["predicted_balanced"]) < max(r0["predicted_unbalanced"])
+
+
+def test_moe_router_benchmark():
+    res = _run("moe_router", "--size", "micro", "--P", "64", "--G", "4", "--R", "16", "--repeat", "1")
+    (row,) = res["rows"]
+    assert res["benchmark"] == "moe_router" and row["compression"] == 2.5
+    for method in ("dense", "tree", "tree_scored", "tree_noaux"):
+        assert row[f"{method}_s"] > 0

@@ -46,7 +46,7 @@ def select(
 
     Args:
         attn_implementation: the model's (``"sdpa"``, ``"eager"``, ...).
-        layer_kinds: per layer ``"full"``, ``"sliding"`` or ``"state"``.
+        layer_kinds: per layer ``"full"``, ``"sliding"``, ``"state"`` or ``"none"``.
         config: the text config (for attention logit softcapping).
         device: where the model runs.
         enabled: False forces the model's own attention.
@@ -56,7 +56,7 @@ def select(
         enabled
         and (device.type == "cpu" or cuda)
         and (attn_implementation == "sdpa" or (cuda and attn_implementation in CUDA_IMPLEMENTATIONS))
-        and all(k in ("full", "state") for k in layer_kinds)
+        and all(k in ("full", "state", "none") for k in layer_kinds)
         and getattr(config, "attn_logit_softcapping", None) is None
     )
     if not ok:

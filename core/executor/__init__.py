@@ -11,6 +11,7 @@
 from ..tree import Unit, plan
 from .head import CoefficientFn
 from .model import ModelAdapter, UnsupportedModelError
+from .router import RouterLoss
 from .tree_executor import MODES, PROMPT_GRADS, ExecMode, PromptGrad, ScoreResult, TreeExecutor
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "ExecMode",
     "ModelAdapter",
     "PromptGrad",
+    "RouterLoss",
     "ScoreResult",
     "TreeExecutor",
     "Unit",

@@ -87,6 +87,7 @@ class RecordingStateLayer(compat.LinearAttentionLayer):
         compat.record_past(self)
         self.new_conv: torch.Tensor | None = None
         self.new_recurrent: torch.Tensor | None = None
+        self.seeded_recurrent: torch.Tensor | None = None  # the parent's state, as handed to the model
         self.kernel: int | None = None
 
     def update_conv_state(self, conv_states, state_idx=0, conv_kernel_size=None, **kwargs):  # noqa: D102
@@ -147,7 +148,10 @@ def _state_layer(past: LayerPast, past_len: int, batch: int) -> RecordingStateLa
     layer = RecordingStateLayer()
     if past_len > 0:
         nearest = [_batched(t, batch, copy=True) for t in past[-1]]
-        compat.seed_state_layer(layer, nearest[0], nearest[1] if len(nearest) > 1 else None)
+        recurrent = None
+        if len(nearest) > 1:  # an alias per forward: a one-token SSM step leaves its result on it
+            recurrent = layer.seeded_recurrent = nearest[1].view_as(nearest[1])
+        compat.seed_state_layer(layer, nearest[0], recurrent)
     return layer
 
 
@@ -179,14 +183,16 @@ def build_cache(
 
     Args:
         config: the model's config (the cache's sliding windows are read from it).
-        layer_kinds: per layer ``"full"``, ``"sliding"`` or ``"state"``.
+        layer_kinds: per layer ``"full"``, ``"sliding"``, ``"state"`` or ``"none"`` (no cache).
         past: per layer, the ancestors' tensors (see :data:`LayerPast`).
         past_len: positions the ancestors hold.
     """
     template = compat.DynamicCache(config=config)
     layers = []
     for i, kind in enumerate(layer_kinds):
-        if kind == "state":
+        if kind == "none":
+            layers.append(compat.DummyLayer())
+        elif kind == "state":
             layers.append(_state_layer(past[i], past_len, batch))
         elif pieces and kind == "full":
             # Shared by the whole batch as they are: split attention folds the batch into its queries.
@@ -204,6 +210,9 @@ def recorded(cache: compat.DynamicCache) -> NodeKV:
     """What the last forward through ``cache`` added (see :class:`NodeKV`)."""
     out: list[tuple[torch.Tensor, ...]] = []
     for layer in cache.layers:
+        if isinstance(layer, compat.DummyLayer):
+            out.append(())
+            continue
         if not isinstance(layer, RecordingStateLayer):
             out.append((layer.new_keys, layer.new_values))
             continue
@@ -212,9 +221,10 @@ def recorded(cache: compat.DynamicCache) -> NodeKV:
                 "a conv/recurrent layer did not update its state through the cache; forkrl cannot "
                 "carry its state between tree nodes: train this model without tree_packing"
             )
-        out.append(
-            (layer.new_conv,) if layer.new_recurrent is None else (layer.new_conv, layer.new_recurrent)
-        )
+        recurrent = layer.new_recurrent
+        if recurrent is None:  # a Mamba-2 one-token step (compat.out_of_place_ssm_step)
+            recurrent = compat.next_recurrent_state(layer.seeded_recurrent)
+        out.append((layer.new_conv,) if recurrent is None else (layer.new_conv, recurrent))
     return NodeKV(out)
 
 

@@ -28,6 +28,7 @@ from .. import attention
 from ..tree import PrefixForest, Unit, plan
 from .cache import LayerPast, NodeKV, recorded
 from .head import ScoredHead
+from .router import RouterPass, token_nodes
 
 __all__ = ["DepthFirstPass", "Step"]
 
@@ -49,6 +50,7 @@ class _Frame:
     kv: NodeKV | None = None  # the unit's own keys/values (in graph when forwarded with grad)
     leaves: NodeKV | None = None  # detached copies handed to descendants
     rng: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # RNG state before the first forward
+    router: torch.Tensor | None = None  # the MoE router loss's surrogate term, in the unit's graph
 
 
 class DepthFirstPass:
@@ -60,12 +62,21 @@ class DepthFirstPass:
         grad: a gradient pass (coefficients applied by ``head``) or a no-grad scoring pass.
         head: writes log-probs/entropies and applies the coefficients.
         pieces: hand the ancestors' caches to the attention as separate pieces (split attention).
+        router: records the router logits of each forward (MoE load-balancing loss), or None.
     """
 
-    def __init__(self, executor, forest: PrefixForest, grad: bool, head: ScoredHead, pieces: bool) -> None:
+    def __init__(
+        self,
+        executor,
+        forest: PrefixForest,
+        grad: bool,
+        head: ScoredHead,
+        pieces: bool,
+        router: RouterPass | None = None,
+    ) -> None:
         self.ex = executor
         self.adapter = executor.adapter
-        self.grad, self.head, self.pieces = grad, head, pieces
+        self.grad, self.head, self.pieces, self.router = grad, head, pieces, router
         block = executor.block_size if (executor.mode == "replay" or not grad) else None
         self.units, self.roots = plan(forest, block)
         self.replay = grad and executor.mode == "replay"
@@ -124,7 +135,7 @@ class DepthFirstPass:
         if frame.kv is None:  # replay: forward again with grad, with the same random numbers
             ctx = _restore_rng(frame.rng, self.device) if frame.rng is not None else contextlib.nullcontext()
             with ctx:
-                hidden, frame.kv = self._forward(unit)
+                hidden, frame.kv, frame.router = self._forward(unit)
             frame.hidden_rows, frame.hidden_grad = self.head.unit(unit, hidden[0], grad=True)
             del hidden
         self._backpropagate(frame)
@@ -140,8 +151,16 @@ class DepthFirstPass:
         pos = torch.arange(start, start + width, device=self.device).expand(len(batch), -1)
         cache = self.adapter.make_cache(self.past, self.past_len, batch=len(batch), pieces=self.pieces)
         with torch.set_grad_enabled(self.grad):
-            hidden = self.adapter.hidden(ids.to(self.device), pos, cache=cache)
+            routers = [] if self.router is not None and self.router.wants() else None
+            hidden = self.adapter.hidden(ids.to(self.device), pos, cache=cache, routers=routers)
+            term = None
+            if routers is not None:
+                lengths = [len(u.tokens) for u in batch]
+                term = self.router.record(routers, token_nodes([u.node for u in batch], lengths, width))
         outputs, grads = [], []
+        if term is not None:
+            outputs.append(term)
+            grads.append(torch.ones_like(term))
         for b, u in enumerate(batch):
             rows, grad = self.head.unit(u, hidden[b], grad=self.grad)
             if rows is not None and rows.requires_grad:
@@ -161,7 +180,7 @@ class DepthFirstPass:
         if self.save_rng and not direct and not frozen:
             frame.rng = _get_rng(self.device)
         with torch.set_grad_enabled(direct):
-            hidden, kv = self._forward(unit)
+            hidden, kv, frame.router = self._forward(unit)
         if direct:
             frame.hidden_rows, frame.hidden_grad = self.head.unit(unit, hidden[0], grad=True)
         elif frozen or not self.grad:
@@ -171,7 +190,8 @@ class DepthFirstPass:
             frame.kv = kv
         return kv
 
-    def _forward(self, unit: Unit) -> tuple[torch.Tensor, NodeKV]:
+    def _forward(self, unit: Unit) -> tuple[torch.Tensor, NodeKV, torch.Tensor | None]:
+        """``[1, n, hidden]`` final hidden states, the unit's keys/values, its router term (or None)."""
         if self.past_len != unit.start:
             raise RuntimeError(
                 f"internal: cache holds {self.past_len} positions but the unit starts at {unit.start}"
@@ -179,8 +199,12 @@ class DepthFirstPass:
         ids = unit.tokens.to(self.device).unsqueeze(0)
         pos = torch.arange(unit.start, unit.start + len(unit.tokens), device=self.device).unsqueeze(0)
         cache = self.adapter.make_cache(self.past, self.past_len, pieces=self.pieces)
-        hidden = self.adapter.hidden(ids, pos, cache=cache)
-        return hidden, recorded(cache)
+        routers = [] if self.router is not None and self.router.wants() else None
+        hidden = self.adapter.hidden(ids, pos, cache=cache, routers=routers)
+        term = None
+        if routers is not None:
+            term = self.router.record(routers, torch.full((len(unit.tokens),), unit.node))
+        return hidden, recorded(cache), term
 
     def _backpropagate(self, frame: _Frame) -> None:
         outputs: list[torch.Tensor] = []
@@ -188,6 +212,9 @@ class DepthFirstPass:
         if frame.hidden_rows is not None and frame.hidden_rows.requires_grad:
             outputs.append(frame.hidden_rows)
             grads.append(frame.hidden_grad)
+        if frame.router is not None and frame.router.requires_grad:
+            outputs.append(frame.router)
+            grads.append(torch.ones_like(frame.router))
         if frame.leaves is not None:
             for out, leaf in zip(frame.kv.tensors(), frame.leaves.tensors(), strict=True):
                 # Frozen projections (e.g. LoRA on q/v only) give keys without a graph.
@@ -212,6 +239,9 @@ class DepthFirstPass:
         buffers = self.arenas[unit.node]
         out: list[tuple[torch.Tensor, ...]] = []
         for i, layer in enumerate(kv.layers):
+            if self.adapter.layer_kinds[i] == "none":
+                out.append(())
+                continue
             if self.adapter.layer_kinds[i] == "state":  # conv/recurrent state: small, the last block's
                 out.append(NodeKV([layer]).detached(requires_grad).layers[0])
                 continue

@@ -22,6 +22,7 @@ _KINDS = {
     compat.DynamicLayer: "full",
     compat.DynamicSlidingWindowLayer: "sliding",
     compat.LinearAttentionLayer: "state",
+    compat.DummyLayer: "none",  # no cache (MLP-only layers)
 }
 
 
@@ -60,7 +61,7 @@ def _layer_kinds(base: nn.Module) -> list[str]:
         _KINDS.get(type(layer), type(layer).__name__)
         for layer in compat.DynamicCache(config=base.config).layers
     ]
-    unsupported = sorted({k for k in kinds if k not in ("full", "sliding", "state")})
+    unsupported = sorted({k for k in kinds if k not in ("full", "sliding", "state", "none")})
     if unsupported:
         raise UnsupportedModelError(
             f"{type(base).__name__} has cache layers of kind {unsupported} (e.g. indexed attention or layers mixing "
@@ -89,6 +90,13 @@ class ModelAdapter:
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
         self.logit_scale = getattr(self.config, "logit_scale", None)
         self.layer_kinds = _layer_kinds(self.base)
+        restarts = compat.restarts_state(self.base)
+        if restarts is not None:
+            raise UnsupportedModelError(
+                f"{type(self.base).__name__}'s {restarts} layers start every multi-token input from a zero recurrent "
+                "state (transformers' torch path takes no initial state), so a tree node cannot continue its "
+                "parent's state: train this model without tree_packing"
+            )
         self.has_state = "state" in self.layer_kinds
         self.attn_implementation = compat.attention_implementation(self.base.config)
 
@@ -120,6 +128,7 @@ class ModelAdapter:
         position_ids: torch.Tensor,
         cache=None,
         attention_mask: torch.Tensor | None = None,
+        routers: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Final hidden states (after the last norm).
 
@@ -128,16 +137,22 @@ class ModelAdapter:
             position_ids: ``[B, n]``.
             cache: ancestors' keys/values, or None.
             attention_mask: optional 4D mask ``[1, 1, n, ctx + n]`` (packed mode).
+            routers: a list that receives the MoE layers' router logits (``[B * n, E]`` each;
+                ``output_router_logits=True``).
 
         Returns:
             ``[B, n, hidden]``.
         """
         kwargs = {self.cache_kwarg: cache, "use_cache": cache is not None}
+        if routers is not None:
+            kwargs["output_router_logits"] = True
         out = self.decoder(
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, **kwargs
         )
         if cache is not None:
             check_pieces_used(cache, self.name)
+        if routers is not None:
+            routers.extend(getattr(out, "router_logits", None) or ())
         return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
     def logits(self, hidden: torch.Tensor, temperature: float) -> torch.Tensor:

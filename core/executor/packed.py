@@ -15,6 +15,7 @@ from ..errors import UnsupportedModelError
 from ..tree import PrefixForest
 from .head import ScoredHead
 from .model import ModelAdapter
+from .router import RouterLoss, RouterPass
 
 __all__ = ["check_packed", "run_packed"]
 
@@ -71,8 +72,17 @@ def _dense_mask(adapter: ModelAdapter, ends: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def run_packed(adapter: ModelAdapter, forest: PrefixForest, grad: bool, head: ScoredHead) -> None:
+def run_packed(
+    adapter: ModelAdapter,
+    forest: PrefixForest,
+    grad: bool,
+    head: ScoredHead,
+    router: RouterLoss | None = None,
+) -> None:
     """Score (or, with ``grad``, backpropagate through) every entry of ``forest`` in one forward.
+
+    With ``router`` (bound to ``forest``), the MoE router loss is counted from the same forward
+    (scoring) and, with ``grad``, its surrogate joins the one backward.
 
     On CUDA the tree mask is a FlexAttention ``BlockMask`` (compiled kernels skip the masked
     blocks; the model's attention is switched to ``flex_attention`` for the pass); elsewhere, or
@@ -92,27 +102,51 @@ def run_packed(adapter: ModelAdapter, forest: PrefixForest, grad: bool, head: Sc
         entry_row.append(n.entry_row + base)
         base += len(n.rows)
     entry_target = torch.cat([n.entry_target for n in nodes])
+    routers = [] if router is not None else None
     with torch.set_grad_enabled(grad):
-        hidden = _forward(adapter, ids, pos, ends)
+        hidden = _forward(adapter, ids, pos, ends, routers)
         h_rows = hidden[rows.to(device)]
+        term = None
+        if routers is not None:
+            nodes_of = torch.cat([torch.full((len(n.tokens),), n.index) for n in nodes])
+            if not grad or not router.counted:  # every token's top-k is in this forward
+                RouterPass(router, count=True).record([r.detach() for r in routers], nodes_of)
+            if grad:
+                term = RouterPass(router, count=False).record(routers, nodes_of)
+        del routers
     out_rows, g = head.rows(
         h_rows, torch.cat(entry_row), torch.arange(forest.num_entries), entry_target, grad
     )
+    outputs, grads = [], []
     if grad and out_rows is not None and out_rows.requires_grad:
-        torch.autograd.backward([out_rows], [g])
+        outputs, grads = [out_rows], [g]
+    if term is not None and term.requires_grad:
+        outputs.append(term)
+        grads.append(torch.ones_like(term))
+    if outputs:
+        torch.autograd.backward(outputs, grads)
 
 
-def _forward(adapter: ModelAdapter, ids: torch.Tensor, pos: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+def _forward(
+    adapter: ModelAdapter,
+    ids: torch.Tensor,
+    pos: torch.Tensor,
+    ends: torch.Tensor,
+    routers: list | None = None,
+) -> torch.Tensor:
     """``[total, hidden]`` final hidden states of the packed forest under its tree mask."""
     device = ends.device
     if _use_flex(device):
         try:
             block_mask = _flex_block_mask(ends)
             with adapter.attention_implementation("flex_attention"):
-                return adapter.hidden(ids, pos, cache=None, attention_mask=block_mask)[0]
+                return adapter.hidden(ids, pos, cache=None, attention_mask=block_mask, routers=routers)[0]
         except (RuntimeError, ImportError, TypeError, ValueError) as err:  # compile or kernel failure
             _FLEX_FAILED.add(str(device))
+            if routers is not None:
+                routers.clear()
             logger.warning(
                 "packed mode: FlexAttention failed on %s (%s); using a dense tree mask", device, err
             )
-    return adapter.hidden(ids, pos, cache=None, attention_mask=_dense_mask(adapter, ends)[None, None])[0]
+    mask = _dense_mask(adapter, ends)[None, None]
+    return adapter.hidden(ids, pos, cache=None, attention_mask=mask, routers=routers)[0]

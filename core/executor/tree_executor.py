@@ -25,13 +25,14 @@ from typing import Literal, get_args
 import torch
 from torch import nn
 
-from .. import attention
+from .. import attention, compat
 from ..errors import UnsupportedModelError
 from ..tree import PrefixForest
 from .dfs import DepthFirstPass
 from .head import CoefficientFn, ScoredHead, StaticCoefficients
 from .model import ModelAdapter
 from .packed import check_packed, run_packed
+from .router import RouterLoss, RouterPass
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ __all__ = [
     "PROMPT_GRADS",
     "ExecMode",
     "PromptGrad",
+    "RouterLoss",
     "ScoreResult",
     "TreeExecutor",
     "UnsupportedModelError",
@@ -157,21 +159,27 @@ class TreeExecutor:
             check_packed(self.adapter)
         self._warned_checkpointing = False
         self._probed = False
+        self._router_probed = False
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
-    def score(self, forest: PrefixForest, entropy: bool = False) -> ScoreResult:
+    def score(
+        self, forest: PrefixForest, entropy: bool = False, router: RouterLoss | None = None
+    ) -> ScoreResult:
         """Log-probs (and entropies) of every scored token, without grad.
 
         Args:
             forest: the batch.
             entropy: also return the entropy of each predicting distribution.
+            router: a :class:`RouterLoss` bound to ``forest``: this pass also counts its top-k
+                assignments (so a following :meth:`backward` needs no counting pass of its own).
 
         Returns:
             :class:`ScoreResult`, one ``[len_i - score_from_i]`` tensor per sequence.
         """
         self._check_forest(forest)
-        lp, ent = self._run(forest, grad=False, entropy=entropy, coef=None)
+        self._check_router(forest, router)
+        lp, ent = self._run(forest, grad=False, entropy=entropy, coef=None, router=router)
         return self._result(forest, lp, ent)
 
     def backward(
@@ -181,6 +189,7 @@ class TreeExecutor:
         grad_entropies: Sequence[torch.Tensor] | None = None,
         coefficient_fn: CoefficientFn | None = None,
         entropy: bool = False,
+        router: RouterLoss | None = None,
     ) -> ScoreResult:
         """Accumulate into ``param.grad`` the gradient of a linear functional of the log-probs.
 
@@ -199,6 +208,11 @@ class TreeExecutor:
                 (coef_logprobs, coef_entropies)``, evaluated per chunk of entries.
             entropy: compute entropies (passed to ``coefficient_fn`` and returned); implied by
                 ``grad_entropies``.
+            router: a :class:`RouterLoss` bound to ``forest``: its gradient (the MoE router
+                load-balancing loss of groups of the sequences, as the model computes it per
+                batch) is added too. Its top-k counts come from an earlier :meth:`score` with the
+                same ``router``, else from a decoder-only no-grad pass first (packed mode: the
+                pass's own forward). Its values are ``router.values()`` afterwards.
 
         Returns:
             The detached log-probs (and entropies) the pass computed.
@@ -217,9 +231,10 @@ class TreeExecutor:
         if (grad_logprobs is None) == (coefficient_fn is None):
             raise ValueError("give exactly one of grad_logprobs or coefficient_fn")
         self._check_forest(forest)
+        self._check_router(forest, router)
         coef = coefficient_fn or self._static(forest, grad_logprobs, grad_entropies)
         entropy = entropy or grad_entropies is not None
-        lp, ent = self._run(forest, grad=True, entropy=entropy, coef=coef)
+        lp, ent = self._run(forest, grad=True, entropy=entropy, coef=coef, router=router)
         return self._result(forest, lp, ent)
 
     @property
@@ -280,11 +295,24 @@ class TreeExecutor:
             entry_entropies=ent,
         )
 
+    def _check_router(self, forest: PrefixForest, router: RouterLoss | None) -> None:
+        if router is None:
+            return
+        if not isinstance(router, RouterLoss):
+            raise TypeError(f"router must be a RouterLoss, got {type(router).__name__}")
+        if router.forest is not forest:
+            raise ValueError(
+                "the RouterLoss is bound to another forest: call router.bind(forest, group_rows) first"
+            )
+        router.attach(self.model)
+
     def _run(
-        self, forest: PrefixForest, grad: bool, entropy: bool, coef: CoefficientFn | None
+        self, forest: PrefixForest, grad: bool, entropy: bool, coef: CoefficientFn | None, router=None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.verify()
-        return self._pass(forest, grad, entropy, coef)
+        if router is not None and not self._router_probed:
+            self._probe_router()
+        return self._pass(forest, grad, entropy, coef, router)
 
     def verify(self) -> TreeExecutor:
         """Run the first-use probe now (see :meth:`_probe`; otherwise the first pass runs it).
@@ -350,16 +378,64 @@ class TreeExecutor:
             want.append(torch.log_softmax(logits, -1)[sf - 1 : -1].gather(-1, ids[0, sf:, None])[:, 0])
         err = max(float((g.to(w.dtype) - w).abs().max()) for g, w in zip(got, want, strict=True))
         half = self.adapter.head.weight.dtype not in (torch.float32, torch.float64)
-        tol = 5e-2 if half else 1e-6 if self.dtype == torch.float64 else 2e-3
+        tol = 5e-2 if half else 1e-9 if self.dtype == torch.float64 else 2e-3
         return None if err <= tol else f"log-probs differ from the model's forward by {err:.1e}"
 
+    @torch.no_grad()
+    def _probe_router(self) -> None:
+        """Before the first router-loss pass: the tree's aux loss of a small batch must equal the
+        model's own ``aux_loss`` (eval mode, parameters' dtype); else UnsupportedModelError."""
+        self._router_probed = True
+        forest = PrefixForest.build(*_PROBE)
+        router = RouterLoss([1.0]).bind(forest, [0, forest.num_sequences])
+        router.attach(self.model)
+        training = {m: m.training for m in self.model.modules()}
+        self.model.eval()
+        try:
+            with torch.autocast(self.device.type, enabled=False):
+                self._pass(forest, grad=False, entropy=False, coef=None, router=router)
+                got = float(router.values()[0])
+                seqs = _PROBE[0]
+                ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+                mask = torch.zeros_like(ids)
+                for b, seq in enumerate(seqs):
+                    ids[b, : len(seq)], mask[b, : len(seq)] = torch.tensor(seq), 1
+                out = self.model(
+                    input_ids=ids.to(self.device),
+                    attention_mask=mask.to(self.device),
+                    output_router_logits=True,
+                )
+                want = getattr(out, "aux_loss", None)
+                why = None if want is not None else "the model's forward returned no aux_loss"
+        except (RuntimeError, TypeError, ValueError) as err:
+            why = f"{type(err).__name__}: {str(err)[:200]}"
+        finally:
+            for m, was in training.items():
+                m.training = was
+        if why is None:
+            want = float(want)
+            half = self.adapter.head.weight.dtype not in (torch.float32, torch.float64)
+            if abs(got - want) > (5e-2 if half else 1e-5) * max(1.0, abs(want)):
+                why = f"aux loss {got:.6g} on a probe batch, the model's own {want:.6g}"
+        if why is not None:
+            raise UnsupportedModelError(
+                f"{self.adapter.name}'s router load-balancing loss is not transformers' load_balancing_loss_func "
+                f"over its router logits ({why}), so forkrl cannot reproduce it on a tree: set the router loss "
+                "coefficient to 0, or train without tree_packing"
+            )
+
     def _pass(
-        self, forest: PrefixForest, grad: bool, entropy: bool, coef: CoefficientFn | None
+        self,
+        forest: PrefixForest,
+        grad: bool,
+        entropy: bool,
+        coef: CoefficientFn | None,
+        router: RouterLoss | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         lp = torch.zeros(forest.num_entries, dtype=self.dtype, device=self.device)
         ent = torch.zeros_like(lp) if entropy else None
         head = ScoredHead(self.adapter, self.temperature, self.head_chunk_elems, lp, ent, coef)
-        with self.adapter.checkpointing_off() as was_on:
+        with self.adapter.checkpointing_off() as was_on, compat.out_of_place_ssm_step(self.model):
             if was_on and not self._warned_checkpointing:
                 logger.info(
                     "gradient checkpointing is on in the model; forkrl turns it off inside tree passes "
@@ -367,12 +443,24 @@ class TreeExecutor:
                 )
                 self._warned_checkpointing = True
             if self.mode == "packed":
-                run_packed(self.adapter, forest, grad, head)
+                run_packed(self.adapter, forest, grad, head, router)
                 return lp, ent
             ad = self.adapter
             name = attention.select(
                 ad.attn_implementation, ad.layer_kinds, ad.config, self.device, self.split_attention
             )
+            pieces = name is not None
             with ad.attention_implementation(name):
-                DepthFirstPass(self, forest, grad, head, pieces=name is not None).run()
+                if router is not None and grad and not router.counted:
+                    with torch.no_grad():  # every token's top-k before the first backward
+                        DepthFirstPass(self, forest, False, _NoHead(), pieces, RouterPass(router, True)).run()
+                passing = RouterPass(router, count=not grad) if router is not None else None
+                DepthFirstPass(self, forest, grad, head, pieces, passing).run()
         return lp, ent
+
+
+class _NoHead:
+    """The head of a router counting pass: the counts need the decoder only."""
+
+    def unit(self, unit, hidden, grad: bool = False) -> tuple[None, None]:
+        return None, None

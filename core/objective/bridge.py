@@ -31,7 +31,7 @@ from typing import Literal, get_args
 
 import torch
 
-from ..executor import ScoreResult, TreeExecutor
+from ..executor import RouterLoss, ScoreResult, TreeExecutor
 from ..tree import PrefixForest, RowLayout, Window
 from .token_local import TokenLocalCoefficients
 from .window import Quiet, WindowLoss, check_finite, gradient, probe_points
@@ -119,6 +119,7 @@ def backward_window(
     quiet: Quiet | None = None,
     fill: Sequence[torch.Tensor] | None = None,
     device: torch.device | str | None = None,
+    router: RouterLoss | None = None,
 ) -> WindowResult:
     """Accumulate into ``param.grad`` the exact gradient of a host loss over one optimizer step.
 
@@ -133,6 +134,10 @@ def backward_window(
         quiet: a context in which ``loss_fn`` has no side effects (probes, chunks); default none.
         fill: token-local path: per micro-batch flat ``[N_i]`` values outside a chunk.
         device: where the leaves the loss sees live (default: the executor's device).
+        router: the MoE router load-balancing loss of the micro-batches, bound to ``forest``
+            and ``window.rows``: its gradient is added (counted in the scoring pass where there is
+            one); ``router.values()`` are known to ``loss_fn`` from the scoring pass on (general
+            path) or after the backward (the values ``WindowResult.losses`` are evaluated at).
 
     Returns:
         :class:`WindowResult`.
@@ -153,14 +158,14 @@ def backward_window(
     device = torch.device(device) if device is not None else executor.device
     dtype = executor.dtype
     if loss_gradient == "token_local":
-        return _token_local(executor, forest, window, loss_fn, entropy, quiet, fill, device)
+        return _token_local(executor, forest, window, loss_fn, entropy, quiet, fill, device, router)
     if loss_gradient == "constant":
         coefs = _constant_gradient(window, loss_fn, entropy, quiet, dtype, device)
         if coefs is not None:
-            return _fused(executor, forest, window, loss_fn, entropy, coefs, device)
+            return _fused(executor, forest, window, loss_fn, entropy, coefs, device, router)
         logger.info("the loss gradient depends on the log-prob values here: running a scoring pass first")
     start = time.perf_counter()
-    res = executor.score(forest, entropy=entropy)
+    res = executor.score(forest, entropy=entropy, router=router)
     score_time = time.perf_counter() - start
     lp = [t.to(device) for t in window.flat(res.logprobs)]
     ent = [t.to(device) for t in window.flat(res.entropies)] if entropy else None
@@ -172,11 +177,12 @@ def backward_window(
         forest,
         grad_logprobs=window.per_sequence(g_lp),
         grad_entropies=window.per_sequence(g_ent) if g_ent is not None else None,
+        router=router,
     )
     return WindowResult(losses, res, "general", score_time, time.perf_counter() - start)
 
 
-def _fused(executor, forest, window, loss_fn, entropy, coefs, device) -> WindowResult:
+def _fused(executor, forest, window, loss_fn, entropy, coefs, device, router) -> WindowResult:
     g_lp, g_ent = coefs
     start = time.perf_counter()
     res = executor.backward(
@@ -184,6 +190,7 @@ def _fused(executor, forest, window, loss_fn, entropy, coefs, device) -> WindowR
         grad_logprobs=window.per_sequence(g_lp),
         grad_entropies=window.per_sequence(g_ent) if g_ent is not None else None,
         entropy=entropy,
+        router=router,
     )
     backward_time = time.perf_counter() - start
     with torch.no_grad():  # the real values, for the host's loss value and its metrics
@@ -193,11 +200,11 @@ def _fused(executor, forest, window, loss_fn, entropy, coefs, device) -> WindowR
     return WindowResult(losses, res, "constant", 0.0, backward_time)
 
 
-def _token_local(executor, forest, window, loss_fn, entropy, quiet, fill, device) -> WindowResult:
+def _token_local(executor, forest, window, loss_fn, entropy, quiet, fill, device, router) -> WindowResult:
     coef = TokenLocalCoefficients(forest, window, loss_fn, fill=fill, entropy=entropy, quiet=quiet)
     coef.check(device)
     start = time.perf_counter()
-    res = executor.backward(forest, coefficient_fn=coef, entropy=entropy)
+    res = executor.backward(forest, coefficient_fn=coef, entropy=entropy, router=router)
     backward_time = time.perf_counter() - start
     with torch.no_grad():
         lp = [t.to(device) for t in window.flat(res.logprobs)]

@@ -2,7 +2,9 @@
 
 - :func:`tiny_causal_lm`: the test zoo, one tiny model per architecture forkrl supports
   (:data:`ZOO`): MHA/GQA/MQA Llama, Qwen2, Qwen3 (q/k norms), Mistral with a sliding window,
-  Gemma 2 (logit softcapping, eager), LFM2 (conv + attention), Qwen3-Next (linear attention + MoE).
+  Gemma 2 (logit softcapping, eager), LFM2 (conv + attention), Qwen3-Next (linear attention + MoE),
+  Qwen3-MoE, Mixtral, OLMoE, GPT-OSS (MoE with the router load-balancing loss), Bamba and
+  NemotronH (Mamba-2 + attention).
 - :func:`llama`: the benchmark sizes (:data:`SIZES`: "tiny", "small", and "micro" for smoke runs).
 - :func:`byte_tokenizer`, :func:`word_tokenizer`, :func:`byte_llama`, :func:`save_pretrained`:
   what a host trainer needs to load a model by path (TRL's ``GRPOTrainer(model=path)``).
@@ -27,7 +29,9 @@ __all__ = [
     "SIZES",
     "TEST_VOCAB",
     "ZOO",
+    "BYTE_MOE",
     "byte_llama",
+    "byte_moe",
     "byte_tokenizer",
     "dense_logprobs",
     "flops_per_token",
@@ -88,7 +92,59 @@ ZOO: dict[str, tuple[str, str, dict[str, Any]]] = {
             "layer_types": ["linear_attention", "full_attention"],
         },
     ),
+    # MoE with transformers' router load-balancing loss (output_router_logits)
+    "qwen3moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {**_ATTN, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {**_ATTN, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {**_ATTN, "num_experts": 4, "num_experts_per_tok": 2}),
+    "gptoss": (  # attention sinks (eager only), sliding-window layers
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {**_ATTN, "head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    # Mamba-2 + attention hybrids (conv and SSM states carried per node)
+    "bamba": (
+        "BambaConfig",
+        "BambaForCausalLM",
+        {
+            **_ATTN,
+            "num_hidden_layers": 3,
+            "attn_layer_indices": [1],
+            "mamba_n_heads": 4,
+            "mamba_d_head": 16,
+            "mamba_n_groups": 2,
+            "mamba_d_state": 4,
+            "mamba_d_conv": 3,
+            "mamba_expand": 2,
+            "mamba_chunk_size": 4,
+        },
+    ),
+    "nemotronh": (
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        {
+            **_ATTN,
+            "num_hidden_layers": 3,
+            "hybrid_override_pattern": "*MM",  # M*M: its own decode differs from its forward (4e-11)
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 16,
+            "n_groups": 1,
+            "ssm_state_size": 4,
+            "conv_kernel": 3,
+            "expand": 2,
+            "chunk_size": 4,
+            "head_dim": 8,
+        },
+    ),
 }
+_MOE = ("qwen3next", "qwen3moe", "mixtral", "olmoe", "gptoss")
 
 
 def tiny_causal_lm(
@@ -101,8 +157,8 @@ def tiny_causal_lm(
     """A tiny causal LM of architecture ``name`` (a key of :data:`ZOO`), in eval mode.
 
     Hidden size 32, vocabulary :data:`TEST_VOCAB`; ``config`` overrides any config field. Gemma 2
-    always uses eager attention (it has no sdpa path); Qwen3-Next's experts run eagerly (grouped_mm
-    has no float64 kernel).
+    and GPT-OSS always use eager attention (no sdpa path); MoE experts run eagerly (grouped_mm has
+    no float64 kernel).
     """
     import transformers
 
@@ -111,9 +167,9 @@ def tiny_causal_lm(
     config_cls, model_cls, fields = ZOO[name]
     common = dict(vocab_size=TEST_VOCAB, hidden_size=32, intermediate_size=48, max_position_embeddings=512)
     cfg = getattr(transformers, config_cls)(**{**common, **fields, **config})
-    if name == "gemma2":
+    if name in ("gemma2", "gptoss"):
         attn = "eager"
-    if name == "qwen3next":
+    if name in _MOE:
         compat.set_experts_implementation(cfg, "eager")
     compat.set_attention_implementation(cfg, attn)
     torch.manual_seed(seed)
@@ -231,6 +287,48 @@ def byte_llama(seed: int = 0, **config: Any) -> nn.Module:
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**{**fields, **config})).float()
+    model.generation_config.pad_token_id = model.config.pad_token_id
+    model.generation_config.eos_token_id = model.config.eos_token_id
+    return model
+
+
+# name -> (config class, model class, expert fields): MoE models with the router load-balancing loss
+BYTE_MOE = {
+    "qwen3moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(num_experts=4, head_dim=8, moe_intermediate_size=16),
+    ),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4)),
+    "gptoss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=4, head_dim=8)),
+}
+
+
+def byte_moe(name: str = "qwen3moe", seed: int = 0, **config: Any) -> nn.Module:
+    """A tiny MoE causal LM (:data:`BYTE_MOE`: 4 experts, top-2, 2 layers, hidden 32) for
+    :func:`byte_tokenizer`, float32; ``config`` overrides fields (``router_aux_loss_coef``, ...)."""
+    import transformers
+
+    config_cls, model_cls, experts = BYTE_MOE[name]
+    fields = dict(
+        vocab_size=BYTE_VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=2,
+        max_position_embeddings=1024,
+        pad_token_id=BYTE_PAD,
+        eos_token_id=BYTE_EOS,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+        **experts,
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(
+        getattr(transformers, config_cls)(**{**fields, **config})
+    ).float()
     model.generation_config.pad_token_id = model.config.pad_token_id
     model.generation_config.eos_token_id = model.config.eos_token_id
     return model

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..executor import MODES, ExecMode, TreeExecutor
+from ..executor import MODES, ExecMode, RouterLoss, TreeExecutor
 from ..objective import LossGradient, Quiet, WindowLoss, WindowResult, backward_window
 from ..tree import PrefixForest, RowLayout, Window
 from .distributed import all_ok, all_reduce_gradients, reduce_stats
@@ -224,6 +224,7 @@ class TreeStep:
         process_group=None,
         device: torch.device | str | None = None,
         lockstep: bool = False,
+        router: RouterLoss | None = None,
     ) -> StepResult:
         """Accumulate the exact gradient of one optimizer step's host loss into ``param.grad``.
 
@@ -242,12 +243,17 @@ class TreeStep:
             device: where the loss's leaves live (default: the model's).
             lockstep: the host runs collectives over ``process_group`` after this step (an engine's
                 gradient reduction): a failure on any rank is raised on every rank first.
+            router: the MoE router load-balancing loss, one weight per micro-batch (bound here to
+                the step's forest); ``loss_fn`` may read ``router.values()`` (module
+                :mod:`forkrl.core.executor.router`).
 
         Returns:
             :class:`StepResult`: the losses, this rank's metrics, the forest.
         """
         window = window if isinstance(window, Window) else Window(window)
         forest = window.forest()
+        if router is not None:
+            router.bind(forest, window.rows)
         mode = self.options.mode_for(max(forest.lengths), gradient_checkpointing)
         path = "general" if loss_gradient == "constant" and not self.fused_ok else loss_gradient
         replica = self._replica(model)
@@ -256,7 +262,15 @@ class TreeStep:
             executor = self.executor(target, mode)
             res = self._agreed(
                 lambda: backward_window(
-                    executor, forest, window, loss_fn, path, entropy=entropy, quiet=quiet, device=device
+                    executor,
+                    forest,
+                    window,
+                    loss_fn,
+                    path,
+                    entropy=entropy,
+                    quiet=quiet,
+                    device=device,
+                    router=router,
                 ),
                 executor.device,
                 process_group,

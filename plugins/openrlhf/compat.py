@@ -173,8 +173,14 @@ def _training_step() -> None:
         "self.replay_buffer.dynamic_optimizer_step[step]",
         "output.entropy[:, -experience.action_mask.shape[1] :]",
         'metrics["actor_lr"]',
+        # The MoE router loss: the model's aux_loss times the coefficient (and the dynamic scale),
+        # weighted the same way by the plugin (TreeActorPPOTrainer._router_weight).
+        "aux_loss = output.aux_loss * self.args.actor.aux_loss_coef",
+        "aux_loss = aux_loss * self.replay_buffer.dynamic_sample_loss_scale[step]",
     ):
         assert needle in src, needle
+    init = inspect.getsource(ActorPPOTrainer.__init__)
+    assert "self.aux_loss = self.args.actor.aux_loss_coef > 1e-8" in init
 
 
 def _actor_layout() -> None:

@@ -120,11 +120,6 @@ def check_host_args(args: Any, options: TreeOptions) -> None:
             "--forkrl.tree_balance on: OpenRLHF's plugin does not move rows between ranks yet (TRL's does): drop "
             "it (the default, auto, leaves OpenRLHF's own split)",
         ),
-        (
-            (_get(args, "actor.aux_loss_coef", 0.0) or 0.0) > 1e-8,
-            "--actor.aux_loss_coef > 0 adds the MoE router load-balancing loss, which the tree does not compute yet: "
-            "use --actor.aux_loss_coef 0",
-        ),
     ]
     for refused, why in refusals:
         if refused:

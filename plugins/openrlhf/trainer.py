@@ -35,6 +35,7 @@ from openrlhf.trainer.ray import ppo_actor
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
 from forkrl.core import RowLayout, TreeStep, UnsupportedModelError
+from forkrl.core.executor import RouterLoss
 from forkrl.core.train import AliasReplica, world_size
 
 from . import compat
@@ -78,8 +79,14 @@ def score_log_probs(
 class _LeafActor:
     """Stands in for the ``Actor`` inside OpenRLHF's loss code: returns the tree's leaves."""
 
-    def __init__(self, actor: torch.nn.Module, logps: torch.Tensor, entropies: torch.Tensor | None) -> None:
-        self._actor, self._logps, self._entropies = actor, logps, entropies
+    def __init__(
+        self,
+        actor: torch.nn.Module,
+        logps: torch.Tensor,
+        entropies: torch.Tensor | None,
+        aux_loss: torch.Tensor | None = None,
+    ) -> None:
+        self._actor, self._logps, self._entropies, self._aux = actor, logps, entropies, aux_loss
 
     def __call__(self, sequences, action_mask, attention_mask=None, return_output=False, **kwargs):
         if tuple(self._logps.shape) != tuple(action_mask.shape):
@@ -89,7 +96,8 @@ class _LeafActor:
             )
         logps = self._logps * action_mask.float()  # as Actor.forward returns them
         # [B, num_actions] entropies: the host's [:, -num_actions:] slice of them is the identity.
-        output = SimpleNamespace(entropy=self._entropies)
+        # The MoE router loss's value: its gradient is the tree's (a constant here).
+        output = SimpleNamespace(entropy=self._entropies, aux_loss=self._aux)
         return (logps, output) if return_output else logps
 
     def train(self, mode: bool = True) -> _LeafActor:
@@ -220,11 +228,15 @@ class TreeActorPPOTrainer(ActorPPOTrainer):
             experience.to_device(device)
         layouts = [_layout(e.sequences, e.action_mask, e.attention_mask) for e, _ in window]
         statuses: list[dict | None] = [None] * len(window)
+        router = RouterLoss([self._router_weight(self._window_start + i) for i in range(len(window))])
+        router = router if self.aux_loss else None
 
         def loss_fn(i: int, logps: torch.Tensor, entropies: torch.Tensor | None) -> torch.Tensor:
             experience, info = window[i]
             capture = _LossCapture(self.strategy)
-            with self._standing_in(_LeafActor(self.actor, logps, entropies), capture):
+            values = router.values() if router is not None else None
+            aux = (values[i] if values is not None else torch.zeros(())).to(logps.device, torch.float32)
+            with self._standing_in(_LeafActor(self.actor, logps, entropies, aux), capture):
                 statuses[i] = ActorPPOTrainer.training_step(
                     self, experience, kl_ctl, self._window_start + i, info
                 )
@@ -248,11 +260,19 @@ class TreeActorPPOTrainer(ActorPPOTrainer):
                 gradient_checkpointing=bool(self.args.actor.gradient_checkpointing_enable),
                 lockstep=world_size() > 1,
                 device=device,
+                router=router,
             )
         self._statuses = statuses
         metrics = result.metrics.reduced(device).as_dict()
         metrics["tree/step_time"] = time.perf_counter() - start
         self._tree_metrics = metrics
+
+    def _router_weight(self, step: int) -> float:
+        """What OpenRLHF's loss multiplies micro-batch ``step``'s router aux loss by."""
+        weight = float(self.args.actor.aux_loss_coef)
+        if self.args.train.dynamic_batch_enable:
+            weight *= float(self.replay_buffer.dynamic_sample_loss_scale[step])
+        return weight
 
     @contextlib.contextmanager
     def _standing_in(self, actor: _LeafActor, strategy: _LossCapture) -> Iterator[None]:

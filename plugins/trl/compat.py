@@ -120,7 +120,15 @@ PRIVATES: tuple[HostPrivate, ...] = (
         "whether the loss is already divided by the accumulation steps",
         attribute=True,
     ),
-    HostPrivate("trainer", "aux_loss_enabled", "MoE router loss: refused with tree training", attribute=True),
+    HostPrivate(
+        "trainer", "aux_loss_enabled", "MoE router loss on: the tree adds its gradient", attribute=True
+    ),
+    HostPrivate(
+        "trainer",
+        "router_aux_loss_coef",
+        "the MoE router loss's coefficient (its weight per micro-batch)",
+        attribute=True,
+    ),
     HostPrivate("trainer", "_is_vlm", "vision-language models: refused", attribute=True),
     HostPrivate(
         "trainer", "_tokenizer", "pad id for the speculative sampler's left-padded prompts", attribute=True

@@ -33,6 +33,7 @@ from trl import GRPOTrainer as _TRLGRPOTrainer
 from trl import RLOOTrainer as _TRLRLOOTrainer
 
 from forkrl.core import RowLayout, TreeStep, UnsupportedModelError
+from forkrl.core.executor import RouterLoss
 from forkrl.core.speculative import SelfSpeculativeRollout
 from forkrl.core.train import StepMetrics, is_fsdp2
 
@@ -90,7 +91,7 @@ class TreeTrainingMixin:
             config = self._config_class.from_trl(config, **options)
         arguments["args"] = config
         self._tree_window: list[tuple[dict[str, Any], Any]] = []
-        self._tree_leaves: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._tree_leaves: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
         self._tree_step: TreeStep | None = None
         self._tree_balance = False
         self._spec_rollout: SelfSpeculativeRollout | None = None
@@ -110,11 +111,6 @@ class TreeTrainingMixin:
 
     # ------------------------------------------------------------------ setup
     def _check_tree_setup(self) -> None:
-        if self.aux_loss_enabled:
-            raise ValueError(
-                "tree_packing cannot add the MoE router load-balancing loss (router_aux_loss_coef != 0 with a model "
-                "that outputs router logits): set router_aux_loss_coef=0.0, or turn tree_packing off"
-            )
         if self._is_vlm:
             raise ValueError(
                 "tree_packing supports text-only causal LMs; this is a vision-language model: turn tree_packing off"
@@ -200,13 +196,14 @@ class TreeTrainingMixin:
     ):
         """TRL's method; inside a tree step it returns the tree's leaves, and no-grad calls are tree-scored."""
         if self._tree_leaves is not None:
-            logps, entropies = self._tree_leaves
+            logps, entropies, aux = self._tree_leaves
             if tuple(logps.shape) != (input_ids.shape[0], logits_to_keep):
                 raise RuntimeError(
                     f"tree step: the loss asked for log-probs of shape {(input_ids.shape[0], logits_to_keep)} but the "
                     f"micro-batch has {tuple(logps.shape)}"
                 )
-            return logps, (entropies if compute_entropy else None), None
+            # The router loss's value (its gradient is the tree's: a constant here).
+            return logps, (entropies if compute_entropy else None), (aux if compute_aux_loss else None)
         multimodal = any(v is not None for v in kwargs.values())
         if (
             self._tree_step is not None
@@ -306,10 +303,13 @@ class TreeTrainingMixin:
             attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
             layouts.append(_layout(input_ids, attention_mask, inputs["completion_ids"].shape[1]))
         sync = self.accelerator.gradient_state.sync_gradients
+        router = RouterLoss([self._router_weight(n) for _, n in window]) if self.aux_loss_enabled else None
 
         def loss_fn(i: int, logps: torch.Tensor, entropies: torch.Tensor | None) -> torch.Tensor:
             inputs, num_items = window[i]
-            self._tree_leaves = (logps, entropies)
+            values = router.values() if router is not None else None
+            aux = (values[i] if values is not None else torch.zeros(())).to(logps.device, torch.float32)
+            self._tree_leaves = (logps, entropies, aux)
             # TRL's loss does its once-per-optimizer-step work (adaptive entropy) on the last micro-batch.
             try:
                 with (
@@ -333,6 +333,7 @@ class TreeTrainingMixin:
                 gradient_checkpointing=self.args.gradient_checkpointing,
                 data_parallel=self.accelerator.num_processes > 1,
                 device=window[0][0]["completion_ids"].device,
+                router=router,
             )
         self._log_tree(result.metrics)
         if balanced is not None:
@@ -350,6 +351,14 @@ class TreeTrainingMixin:
                 self.model_accepts_loss_kwargs and num_items is not None
             ) or self.compute_loss_func is not None
         return loss if scaled else loss / self.current_gradient_accumulation_steps
+
+    def _router_weight(self, num_items) -> float:
+        """What the backward sees multiplying a micro-batch's router aux loss: the coefficient, over
+        the accumulation steps where TRL's loss divides it (GRPO), times the training step's scaling."""
+        weight = self.router_aux_loss_coef
+        if self._aux_over_accumulation:
+            weight /= self.current_gradient_accumulation_steps
+        return float(self._scale_like_training_step(torch.tensor(weight, dtype=torch.float64), num_items))
 
     def _coefficients_constant(self, window) -> bool:
         """Whether the host loss's gradient w.r.t. log-probs/entropies is the same at any values
@@ -391,6 +400,7 @@ class GRPOTrainer(TreeTrainingMixin, _TRLGRPOTrainer):
 
     _trl_base = _TRLGRPOTrainer
     _config_class = GRPOConfig
+    _aux_over_accumulation = True  # GRPO: loss + coef * aux / accumulation steps
 
     def _coefficients_constant(self, window) -> bool:
         """True when the importance ratio is ``exp(logp - logp.detach()) == 1`` (no old log-probs)
@@ -418,3 +428,4 @@ class RLOOTrainer(TreeTrainingMixin, _TRLRLOOTrainer):
 
     _trl_base = _TRLRLOOTrainer
     _config_class = RLOOConfig
+    _aux_over_accumulation = False  # RLOO: loss + coef * aux (the Trainer divides the sum)

@@ -34,7 +34,12 @@ MODEL_CASES = (
         for m, b in ATTENTION_CASES
     ]
     + [(name, "deep", m, b) for name in ("mistral-swa", "gemma2") for m, b in STATE_CASES]
-    + [(name, f, m, b) for name in ("lfm2", "qwen3next") for f in ("grpo", "deep") for m, b in STATE_CASES]
+    + [
+        (name, f, m, b)
+        for name in ("lfm2", "qwen3next", "bamba", "nemotronh")
+        for f in ("grpo", "deep")
+        for m, b in STATE_CASES
+    ]
 )
 
 
@@ -377,7 +382,7 @@ def _decoder_calls(model) -> tuple[dict, object]:
     return calls, model.get_decoder().register_forward_pre_hook(hook, with_kwargs=True)
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen3", "mistral-swa", "lfm2", "qwen3next"])
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3", "mistral-swa", "lfm2", "qwen3next", "bamba"])
 @pytest.mark.parametrize("budget", [1, 9, 1 << 20])
 def test_sibling_leaves_train_as_one_batch(name, budget):
     """Keep mode forwards and backpropagates sibling leaves as right-padded batches of at most

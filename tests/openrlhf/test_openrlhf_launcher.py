@@ -57,7 +57,6 @@ def test_bad_forkrl_flags_are_usage_errors(capsys, argv, needle):
     [
         (["--ds.zero_stage", "3"], "--ds.zero_stage 3"),
         (["--ds.ring_attn_size", "2", "--ds.packing_samples"], "--ds.ring_attn_size"),
-        (["--actor.aux_loss_coef", "0.01"], "--actor.aux_loss_coef"),
         (["--ds.param_dtype", "fp16"], "--ds.param_dtype fp16"),
         (["--forkrl.tree_balance", "on"], "--forkrl.tree_balance on"),
         (

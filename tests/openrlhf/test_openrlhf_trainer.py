@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from forkrl.core.testing.models import byte_llama, max_rel_err
+from forkrl.core.testing.models import byte_llama, byte_moe, max_rel_err
 
 from . import harness as h
 
@@ -36,8 +36,8 @@ CONFIGS = [
 ]  # fmt: skip
 
 
-def _run(args, tree: bool, rounds, kl_ctl: float):
-    t = h.trainer(args, tree=tree)
+def _run(args, tree: bool, rounds, kl_ctl: float, model=None):
+    t = h.trainer(args, tree=tree, model=model() if model is not None else None)
     statuses = []
     for experiences in rounds:
         h.fill(t, experiences)
@@ -48,8 +48,8 @@ def _run(args, tree: bool, rounds, kl_ctl: float):
     return t, statuses
 
 
-def _agreement(stock, tree) -> tuple[float, float]:
-    before = dict(byte_llama(0).named_parameters())
+def _agreement(stock, tree, model=None) -> tuple[float, float]:
+    before = dict((model or (lambda: byte_llama(0)))().named_parameters())
     p_stock, p_tree = h.parameters(stock), h.parameters(tree)
     change = torch.cat([(p_stock[n] - before[n].detach()).flatten() for n in before]).norm()
     diff = torch.cat([(p_tree[n] - p_stock[n]).flatten() for n in before]).norm()
@@ -107,6 +107,35 @@ def test_packing_samples_is_accepted_and_exact():
     tree, _ = _run(args, tree=True, rounds=rounds, kl_ctl=0.0)
     change, rel = _agreement(stock, tree)
     assert change > 1e-2 and rel < 1e-5, rel
+
+
+def _moe():
+    model = byte_moe("qwen3moe")
+    model.config.output_router_logits = True  # as OpenRLHF's Actor sets it for a MoE checkpoint
+    return model
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["fixed", "dynamic-batch-zero-0"])
+def test_moe_router_aux_loss_matches_stock(dynamic):
+    """``--actor.aux_loss_coef``: the model's router load-balancing loss per micro-batch (scaled by
+    the dynamic batch's loss scale) has the same gradient on the tree, and it is not negligible."""
+    extra = ["--actor.aux_loss_coef", "0.5", "--actor.entropy_coef", "0.01"]
+    if dynamic:
+        extra += ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "40"]
+    argv = h.command("unused", *extra, "--forkrl.tree_packing")
+    argv[argv.index("--ds.zero_stage") + 1] = "0" if dynamic else "2"
+    args = h.parse_args(argv)
+    rounds = _rounds(False)
+    stock, s_status = _run(args, tree=False, rounds=rounds, kl_ctl=0.0, model=_moe)
+    tree, t_status = _run(args, tree=True, rounds=rounds, kl_ctl=0.0, model=_moe)
+    change, rel = _agreement(stock, tree, model=_moe)
+    assert change > 1e-2 and rel < 1e-5, rel
+    for a, b in zip(s_status, t_status, strict=True):
+        assert abs(a["policy_loss"] - b["policy_loss"]) <= 1e-5 * max(1.0, abs(a["policy_loss"]))
+    if not dynamic:  # the comparison can fail: without the router loss the update differs
+        args.actor.aux_loss_coef = 0.0
+        plain, _ = _run(args, tree=False, rounds=rounds, kl_ctl=0.0, model=_moe)
+        assert _agreement(stock, plain, model=_moe)[1] > 1e-3
 
 
 def test_dynamic_batch_matches_stock_on_zero_stage_0():
