@@ -19,12 +19,19 @@ from torch import nn
 from transformers import AttentionInterface, PretrainedConfig
 from transformers.cache_utils import (
     Cache,
-    DummyLayer,
     DynamicCache,
     DynamicLayer,
     DynamicSlidingWindowLayer,
     LinearAttentionLayer,
 )
+
+try:  # transformers >= 5.2x: the cache layer of layers that keep nothing (MLP-only layers)
+    from transformers.cache_utils import DummyLayer
+except ImportError:  # older (the veRL and OpenRLHF pins): no model builds one
+
+    class DummyLayer:  # type: ignore[no-redef]
+        """Stand-in: no cache layer of this type exists in this transformers."""
+
 
 __all__ = [
     "CHECKED",
