@@ -22,6 +22,7 @@ from transformers.cache_utils import (
     DynamicCache,
     DynamicLayer,
     DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
     LinearAttentionLayer,
 )
 
@@ -44,6 +45,7 @@ __all__ = [
     "DynamicLayer",
     "DummyLayer",
     "DynamicSlidingWindowLayer",
+    "LinearAttentionAndFullAttentionLayer",
     "LinearAttentionLayer",
     "Private",
     "attention_implementation",

@@ -109,7 +109,13 @@ def build(model_type: str, class_name: str, dtype):
         and isinstance(getattr(probe, "layer_types", None), (list, tuple))
         and len(probe.layer_types) > layers
     ):
-        fields["layer_types"] = list(probe.layer_types)[:layers]
+        types = list(probe.layer_types)[:layers]
+        # Keep every kind of the full pattern (two layers of a 3:1 linear/full pattern would hold no
+        # attention layer, which transformers' own cache cannot run).
+        missing = [k for k in dict.fromkeys(probe.layer_types) if k not in types]
+        if missing and len(missing) < layers:
+            types = types[: layers - len(missing)] + missing
+        fields["layer_types"] = types
     try:
         config = config_cls(**fields)
     except (TypeError, ValueError, AttributeError):

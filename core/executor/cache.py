@@ -73,8 +73,8 @@ class RecordingSlidingLayer(_Recording, compat.DynamicSlidingWindowLayer):
     """Sliding-window layer that records its new keys/values."""
 
 
-class RecordingStateLayer(compat.LinearAttentionLayer):
-    """Conv/recurrent-state layer whose updates are out of place and recorded.
+class _StateRecording:
+    """Conv/recurrent-state layer mixin whose updates are out of place and recorded.
 
     transformers updates these states in place (``copy_``, and a fused single-token conv step),
     which breaks autograd through a state restored from a leaf tensor. Recording the past makes
@@ -82,8 +82,7 @@ class RecordingStateLayer(compat.LinearAttentionLayer):
     assigned instead of copied.
     """
 
-    def __init__(self) -> None:
-        super().__init__(number_of_states=1)
+    def _start_recording(self) -> None:
         compat.record_past(self)
         self.new_conv: torch.Tensor | None = None
         self.new_recurrent: torch.Tensor | None = None
@@ -107,6 +106,23 @@ class RecordingStateLayer(compat.LinearAttentionLayer):
         compat.store_recurrent_state(self, recurrent_states)
         self.new_recurrent = recurrent_states
         return recurrent_states
+
+
+class RecordingStateLayer(_StateRecording, compat.LinearAttentionLayer):
+    """Conv/recurrent-state layer (see :class:`_StateRecording`)."""
+
+    def __init__(self) -> None:
+        super().__init__(number_of_states=1)
+        self._start_recording()
+
+
+class RecordingMixedLayer(_Recording, _StateRecording, compat.LinearAttentionAndFullAttentionLayer):
+    """A layer holding attention keys/values and a conv/recurrent state side by side (Falcon-H1's
+    parallel attention and Mamba, Zamba2's hybrid layers): both recorded."""
+
+    def __init__(self) -> None:
+        super().__init__(number_of_states=1)
+        self._start_recording()
 
 
 @dataclass
@@ -144,8 +160,8 @@ def _cat_past(pieces: list[torch.Tensor]) -> torch.Tensor:
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-2)
 
 
-def _state_layer(past: LayerPast, past_len: int, batch: int) -> RecordingStateLayer:
-    layer = RecordingStateLayer()
+def _state_layer(past: LayerPast, past_len: int, batch: int, layer=None):
+    layer = layer if layer is not None else RecordingStateLayer()
     if past_len > 0:
         nearest = [_batched(t, batch, copy=True) for t in past[-1]]
         recurrent = None
@@ -192,6 +208,13 @@ def build_cache(
     for i, kind in enumerate(layer_kinds):
         if kind == "none":
             layers.append(compat.DummyLayer())
+        elif kind == "mixed":  # (keys, values, conv[, recurrent]) per ancestor
+            layer = RecordingMixedLayer()
+            if past_len > 0:
+                keys = _cat_past([p[0] for p in past[i]])
+                values = _cat_past([p[1] for p in past[i]])
+                compat.seed_layer(layer, _batched(keys, batch), _batched(values, batch))
+            layers.append(_state_layer([p[2:] for p in past[i]], past_len, batch, layer))
         elif kind == "state":
             layers.append(_state_layer(past[i], past_len, batch))
         elif pieces and kind == "full":
@@ -213,8 +236,9 @@ def recorded(cache: compat.DynamicCache) -> NodeKV:
         if isinstance(layer, compat.DummyLayer):
             out.append(())
             continue
-        if not isinstance(layer, RecordingStateLayer):
-            out.append((layer.new_keys, layer.new_values))
+        attention = () if isinstance(layer, RecordingStateLayer) else (layer.new_keys, layer.new_values)
+        if not isinstance(layer, _StateRecording):
+            out.append(attention)
             continue
         if layer.new_conv is None:
             raise UnsupportedModelError(
@@ -224,7 +248,7 @@ def recorded(cache: compat.DynamicCache) -> NodeKV:
         recurrent = layer.new_recurrent
         if recurrent is None:  # a Mamba-2 one-token step (compat.out_of_place_ssm_step)
             recurrent = compat.next_recurrent_state(layer.seeded_recurrent)
-        out.append((layer.new_conv,) if recurrent is None else (layer.new_conv, recurrent))
+        out.append(attention + ((layer.new_conv,) if recurrent is None else (layer.new_conv, recurrent)))
     return NodeKV(out)
 
 

@@ -242,7 +242,7 @@ class DepthFirstPass:
             if self.adapter.layer_kinds[i] == "none":
                 out.append(())
                 continue
-            if self.adapter.layer_kinds[i] == "state":  # conv/recurrent state: small, the last block's
+            if self.adapter.layer_kinds[i] in ("state", "mixed"):  # conv/recurrent state: the last block's
                 out.append(NodeKV([layer]).detached(requires_grad).layers[0])
                 continue
             if buffers[i] is None:

@@ -22,6 +22,7 @@ _KINDS = {
     compat.DynamicLayer: "full",
     compat.DynamicSlidingWindowLayer: "sliding",
     compat.LinearAttentionLayer: "state",
+    compat.LinearAttentionAndFullAttentionLayer: "mixed",  # attention and recurrent state side by side
     compat.DummyLayer: "none",  # no cache (MLP-only layers)
 }
 
@@ -61,7 +62,7 @@ def _layer_kinds(base: nn.Module) -> list[str]:
         _KINDS.get(type(layer), type(layer).__name__)
         for layer in compat.DynamicCache(config=base.config).layers
     ]
-    unsupported = sorted({k for k in kinds if k not in ("full", "sliding", "state", "none")})
+    unsupported = sorted({k for k in kinds if k not in ("full", "sliding", "state", "mixed", "none")})
     if unsupported:
         raise UnsupportedModelError(
             f"{type(base).__name__} has cache layers of kind {unsupported} (e.g. indexed attention or layers mixing "
@@ -97,7 +98,7 @@ class ModelAdapter:
                 "state (transformers' torch path takes no initial state), so a tree node cannot continue its "
                 "parent's state: train this model without tree_packing"
             )
-        self.has_state = "state" in self.layer_kinds
+        self.has_state = "state" in self.layer_kinds or "mixed" in self.layer_kinds
         self.attn_implementation = compat.attention_implementation(self.base.config)
 
     @property

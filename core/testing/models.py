@@ -4,7 +4,7 @@
   (:data:`ZOO`): MHA/GQA/MQA Llama, Qwen2, Qwen3 (q/k norms), Mistral with a sliding window,
   Gemma 2 (logit softcapping, eager), LFM2 (conv + attention), Qwen3-Next (linear attention + MoE),
   Qwen3-MoE, Mixtral, OLMoE, GPT-OSS (MoE with the router load-balancing loss), Bamba and
-  NemotronH (Mamba-2 + attention).
+  NemotronH (Mamba-2 + attention layers), Falcon-H1 (both in one layer).
 - :func:`llama`: the benchmark sizes (:data:`SIZES`: "tiny", "small", and "micro" for smoke runs).
 - :func:`byte_tokenizer`, :func:`word_tokenizer`, :func:`byte_llama`, :func:`save_pretrained`:
   what a host trainer needs to load a model by path (TRL's ``GRPOTrainer(model=path)``).
@@ -141,6 +141,22 @@ ZOO: dict[str, tuple[str, str, dict[str, Any]]] = {
             "expand": 2,
             "chunk_size": 4,
             "head_dim": 8,
+        },
+    ),
+    "falconh1": (  # attention and Mamba-2 side by side in every layer (one mixed cache layer)
+        "FalconH1Config",
+        "FalconH1ForCausalLM",
+        {
+            **_ATTN,
+            "head_dim": 8,
+            "mamba_n_heads": 4,
+            "mamba_d_head": 16,
+            "mamba_n_groups": 1,
+            "mamba_d_ssm": 64,
+            "mamba_d_state": 4,
+            "mamba_d_conv": 3,
+            "mamba_expand": 2,
+            "mamba_chunk_size": 4,
         },
     ),
 }
@@ -354,7 +370,7 @@ def dense_logprobs(model, sequences, score_from, temperature: float = 1.0, entro
     device = next(model.parameters()).device
     for seq, sf in zip(sequences, score_from, strict=True):
         ids = torch.as_tensor(seq).reshape(1, -1).to(device)
-        logits = model(input_ids=ids).logits[0] / temperature
+        logits = model(input_ids=ids, use_cache=False).logits[0] / temperature
         logp = torch.log_softmax(
             logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32), -1
         )

@@ -36,7 +36,7 @@ MODEL_CASES = (
     + [(name, "deep", m, b) for name in ("mistral-swa", "gemma2") for m, b in STATE_CASES]
     + [
         (name, f, m, b)
-        for name in ("lfm2", "qwen3next", "bamba", "nemotronh")
+        for name in ("lfm2", "qwen3next", "bamba", "nemotronh", "falconh1")
         for f in ("grpo", "deep")
         for m, b in STATE_CASES
     ]
