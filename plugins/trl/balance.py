@@ -42,6 +42,8 @@ def unsafe_reason(trainer: Any) -> str | None:
         return "the entropy bonus is a token mean over each micro-batch"
     if getattr(trainer, "top_entropy_quantile", 1.0) < 1.0:
         return "top_entropy_quantile < 1 masks by a quantile over each micro-batch"
+    if getattr(trainer, "aux_loss_enabled", False):
+        return "the MoE router load-balancing loss averages expert loads over each micro-batch"
     return None
 
 

@@ -323,6 +323,8 @@ def test_tree_balance_refuses_a_composition_dependent_loss(model_path, tmp_path)
     assert balance.unsafe_reason(Fake()) is None
     Fake._entropy_bonus_enabled = True
     assert "entropy bonus" in balance.unsafe_reason(Fake())
+    Fake._entropy_bonus_enabled, Fake.aux_loss_enabled = False, True
+    assert "router load-balancing" in balance.unsafe_reason(Fake())
 
 
 # ---------------------------------------------------------------------- configuration and contracts
