@@ -317,6 +317,7 @@ BYTE_MOE = {
     ),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4)),
     "gptoss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=4, head_dim=8)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4)),
 }
 
 

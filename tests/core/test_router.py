@@ -127,3 +127,25 @@ def test_router_loss_refused_for_a_dense_model():
             forest, grad_logprobs=zeros, router=RouterLoss([1.0] * 3).bind(forest, rows)
         )
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_router_loss_refused_for_a_moe_model_without_it():
+    """Glm4-MoE routes tokens (aux-loss-free bias) but has no load-balancing loss to reproduce."""
+    import transformers
+
+    from forkrl.core import compat
+
+    cfg = transformers.Glm4MoeConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+        first_k_dense_replace=1, max_position_embeddings=128,
+    )  # fmt: skip
+    compat.set_experts_implementation(cfg, "eager")
+    model = transformers.Glm4MoeForCausalLM(cfg).double()
+    forest = PrefixForest.build([[1, 2, 3, 4], [1, 2, 5]], [2, 2])
+    zeros = [torch.zeros(2, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)]
+    with pytest.raises(UnsupportedModelError, match="router loss coefficient to 0"):
+        TreeExecutor(model).backward(
+            forest, grad_logprobs=zeros, router=RouterLoss([1.0]).bind(forest, [0, 2])
+        )
+    assert all(p.grad is None for p in model.parameters())

@@ -46,8 +46,16 @@ def _aux_logged(trainer) -> list[float]:
         ("qwen3moe", dict(tree_mode="packed")),
         ("mixtral", dict(tree_mode="replay", tree_block_size=5)),
         ("gptoss", {}),
+        ("olmoe", dict(num_iterations=2)),
     ],
-    ids=["qwen3moe-fused", "qwen3moe-kl", "qwen3moe-packed", "mixtral-replay", "gptoss"],
+    ids=[
+        "qwen3moe-fused",
+        "qwen3moe-kl",
+        "qwen3moe-packed",
+        "mixtral-replay",
+        "gptoss",
+        "olmoe-two-iterations",
+    ],
 )
 def test_router_aux_loss_equals_stock(name, cfg, paths, tmp_path):
     path = paths[name]
