@@ -325,12 +325,51 @@ def stage_exactness(ctx) -> dict:
                         "logprob_err": _rel(res.logprobs, [lp.detach() for lp in lps]),
                         "grad_err": _rel(got, g_ref),
                     }
+    _exact_moe_and_state(dev, dtypes, out)
     worst = {"packed_backend": _packed_backend(dev)}
     for key, r in out.items():
         dtype = key.split("/")[1]
         worst[dtype] = max(worst.get(dtype, 0.0), r["grad_err"])
     backend = worst.pop("packed_backend")
     return {"worst_grad_err": worst, "packed_backend": backend, "cases": out}
+
+
+def _exact_moe_and_state(dev, dtypes, out: dict) -> None:
+    """The MoE router loss (Qwen3-MoE, its sums on the device) and a Mamba-2 + attention layer
+    (Falcon-H1, transformers' torch scan on the device) against the plain computation."""
+    import torch
+
+    from forkrl.core import PrefixForest, TreeExecutor
+    from forkrl.core.executor import RouterLoss
+    from forkrl.core.testing.models import dense_logprobs
+    from forkrl.core.testing.models import tiny_causal_lm as make_model
+    from tests.core.test_router import _stock, _window
+
+    for name, modes in (("qwen3moe", ("keep", "replay", "packed")), ("falconh1", ("keep", "replay"))):
+        for dtype in dtypes:
+            model = make_model(name, dtype=dtype).to(dev)
+            seqs, sf, rows = _window()
+            weights = [0.3, 0.7, 0.5]
+            g = torch.Generator().manual_seed(3)
+            coefs = [torch.randn(len(s) - f, generator=g).to(dev) for s, f in zip(seqs, sf, strict=True)]
+            model.zero_grad(set_to_none=True)
+            if name == "qwen3moe":
+                values = _stock(model, seqs, sf, rows, weights, coefs)
+            else:
+                lps, _ = dense_logprobs(model, seqs, sf)
+                sum((lp * c).sum() for lp, c in zip(lps, coefs, strict=True)).backward()
+            g_ref = [p.grad.detach().clone() for p in model.parameters()]
+            forest = PrefixForest.build(seqs, sf)
+            for mode in modes:
+                model.zero_grad(set_to_none=True)
+                router = RouterLoss(weights).bind(forest, rows) if name == "qwen3moe" else None
+                ex = TreeExecutor(model, mode=mode, block_size=3 if mode == "replay" else None)
+                ex.backward(forest, [c.float() for c in coefs], router=router)
+                got = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+                case = {"grad_err": _rel(got, g_ref)}
+                if router is not None:
+                    case["aux_err"] = float((router.values().cpu() - values.cpu().double()).abs().max())
+                out[f"{name}/{dtype}/window/{mode}"] = case
 
 
 def _packed_backend(dev) -> str:

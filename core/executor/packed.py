@@ -110,9 +110,9 @@ def run_packed(
         if routers is not None:
             nodes_of = torch.cat([torch.full((len(n.tokens),), n.index) for n in nodes])
             if not grad or not router.counted:  # every token's top-k is in this forward
-                RouterPass(router, count=True).record([r.detach() for r in routers], nodes_of)
+                RouterPass(router, count=True, device=device).record([r.detach() for r in routers], nodes_of)
             if grad:
-                term = RouterPass(router, count=False).record(routers, nodes_of)
+                term = RouterPass(router, count=False, device=device).record(routers, nodes_of)
         del routers
     out_rows, g = head.rows(
         h_rows, torch.cat(entry_row), torch.arange(forest.num_entries), entry_target, grad

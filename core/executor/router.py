@@ -98,7 +98,8 @@ class RouterLoss:
 
     def _group_sums(self, per_node: torch.Tensor) -> torch.Tensor:
         """``[G, E]``: per-node sums weighted by multiplicity, over ``L * N_g``."""
-        return self.mult.T @ per_node / (self.layers * self.tokens)[:, None]
+        mult, tokens = self.mult.to(per_node.device), self.tokens.to(per_node.device)
+        return mult.T @ per_node / (self.layers * tokens)[:, None]
 
     def coefficients(self) -> torch.Tensor:
         """``[nodes, E]``: ``A_n``, each node's coefficient on its tokens' routing probabilities."""
@@ -106,11 +107,10 @@ class RouterLoss:
             if self.counts is None:
                 raise RuntimeError("internal: router coefficients asked for before the counting pass")
             f = self._group_sums(self.counts)  # [G, E]
-            scale = (
-                torch.tensor(self.weights, dtype=torch.float64)[:, None]
-                / (self.layers * self.tokens)[:, None]
-            )
-            self._coef = self.num_experts * self.mult @ (scale * f)
+            device = f.device
+            weights = torch.tensor(self.weights, dtype=torch.float64, device=device)
+            scale = weights[:, None] / (self.layers * self.tokens.to(device))[:, None]
+            self._coef = self.num_experts * self.mult.to(device) @ (scale * f)
         return self._coef
 
     def values(self) -> torch.Tensor | None:
@@ -127,14 +127,15 @@ class RouterPass:
         loss: the bound loss.
         count: record top-k counts and probability sums (a no-grad pass before the backward);
             otherwise form each unit's surrogate term (a gradient pass; probabilities recorded too).
+        device: where the sums live (the model's: no host sync per forward).
     """
 
-    def __init__(self, loss: RouterLoss, count: bool) -> None:
+    def __init__(self, loss: RouterLoss, count: bool, device: torch.device | str = "cpu") -> None:
         self.loss, self.count = loss, count
         if count:
             n, e = len(loss.forest.nodes), loss.num_experts
-            loss.counts = torch.zeros(n, e, dtype=torch.float64)
-            loss.probs = torch.zeros(n, e, dtype=torch.float64)
+            loss.counts = torch.zeros(n, e, dtype=torch.float64, device=device)
+            loss.probs = torch.zeros(n, e, dtype=torch.float64, device=device)
             loss._coef = None
         elif loss.counts is None:
             raise RuntimeError("internal: a router gradient pass needs the counting pass first")
@@ -179,10 +180,10 @@ class RouterPass:
             if hits is not None:  # as transformers: top-k of the softmax in the logits' dtype
                 top = torch.softmax(r.detach(), -1).topk(loss.top_k, dim=-1).indices
                 hits.scatter_add_(1, top, valid.to(acc).expand(-1, loss.top_k).contiguous())
-        cpu = nodes.cpu()
-        loss.probs.index_add_(0, cpu, sums.detach().to(torch.float64).cpu())
+        at = nodes.to(loss.probs.device)
+        loss.probs.index_add_(0, at, sums.detach().to(loss.probs.device, torch.float64))
         if hits is not None:
-            loss.counts.index_add_(0, cpu, hits.to(torch.float64).cpu())
+            loss.counts.index_add_(0, at, hits.to(loss.counts.device, torch.float64))
             return None
         coef = loss.coefficients().to(device=device, dtype=acc)[nodes]
         return (sums * coef).sum()

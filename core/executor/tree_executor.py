@@ -453,8 +453,11 @@ class TreeExecutor:
             with ad.attention_implementation(name):
                 if router is not None and grad and not router.counted:
                     with torch.no_grad():  # every token's top-k before the first backward
-                        DepthFirstPass(self, forest, False, _NoHead(), pieces, RouterPass(router, True)).run()
-                passing = RouterPass(router, count=not grad) if router is not None else None
+                        counting = RouterPass(router, True, self.device)
+                        DepthFirstPass(self, forest, False, _NoHead(), pieces, counting).run()
+                passing = (
+                    RouterPass(router, count=not grad, device=self.device) if router is not None else None
+                )
                 DepthFirstPass(self, forest, grad, head, pieces, passing).run()
         return lp, ent
 

@@ -62,3 +62,30 @@ def test_packed_mode_uses_flex_attention_on_cuda():
     seqs, sf = deep_tree()
     TreeExecutor(model, mode="packed").score(PrefixForest.build(seqs, sf))
     assert packed._use_flex(torch.device("cuda")), "FlexAttention failed on this device (see the log)"
+
+
+@pytest.mark.parametrize("mode", ["keep", "replay", "packed"])
+def test_router_loss_on_cuda_in_float64(mode):
+    """The MoE router loss with its sums on the device (no host sync per forward): float64 on CUDA
+    against the model's own aux per padded micro-batch, as tests/core/test_router.py on the CPU."""
+    from forkrl.core.executor import RouterLoss
+    from forkrl.core.testing import Float64Mode
+
+    from .test_router import _stock, _window
+
+    with Float64Mode():
+        model = make_model("qwen3moe").cuda()
+        seqs, sf, rows = _window()
+        weights = [0.3, 0.7, 0.5]
+        coefs = [torch.randn(len(s) - f, dtype=torch.float64) for s, f in zip(seqs, sf, strict=True)]
+        want_values = _stock(model, seqs, sf, rows, weights, [c.cuda() for c in coefs])
+        want = grads(model)
+        model.zero_grad(set_to_none=True)
+        forest = PrefixForest.build(seqs, sf)
+        router = RouterLoss(weights).bind(forest, rows)
+        TreeExecutor(model, mode=mode, block_size=3 if mode == "replay" else None).backward(
+            forest, grad_logprobs=coefs, router=router
+        )
+    assert max_rel_err(grads(model), want) < 1e-9
+    assert router.values().device.type == "cuda"
+    torch.testing.assert_close(router.values().cpu(), want_values.cpu(), rtol=1e-9, atol=0)

@@ -37,7 +37,14 @@ def _stock(model, seqs, sf, rows, weights, coefs):
         for b, s in enumerate(part):  # left padding, as TRL's prompts
             ids[b, width - len(s) :], mask[b, width - len(s) :] = torch.tensor(s), 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        aux = model(input_ids=ids, attention_mask=mask, position_ids=pos, output_router_logits=True).aux_loss
+        dev = next(model.parameters()).device
+        out = model(
+            input_ids=ids.to(dev),
+            attention_mask=mask.to(dev),
+            position_ids=pos.to(dev),
+            output_router_logits=True,
+        )
+        aux = out.aux_loss
         values.append(aux.detach())
         loss = loss + w * aux
     loss.backward()
