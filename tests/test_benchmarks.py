@@ -92,3 +92,11 @@ def test_moe_router_benchmark():
     assert res["benchmark"] == "moe_router" and row["compression"] == 2.5
     for method in ("dense", "tree", "tree_scored", "tree_noaux"):
         assert row[f"{method}_s"] > 0
+
+
+def test_sharded_comm_benchmark():
+    res = _run("sharded_comm", "--model", "micro", "--P", "32", "--G", "2", "--R", "8")
+    tree, stock = (next(r for r in res["rows"] if r["path"] == p) for p in ("tree", "stock-sync-last"))
+    assert res["ranks_agree"]
+    # One gather and one reduce-scatter of the whole model per step, whatever the micro-batches.
+    assert abs(tree["over_model"] - 2.0) < 0.01 and tree["total_mib"] < stock["total_mib"]
