@@ -69,6 +69,7 @@ __all__ = [
     "mark_initialized",
     "next_recurrent_state",
     "out_of_place_ssm_step",
+    "ssm_step_modules",
     "record_past",
     "restarts_state",
     "reduce_scatter_like",
@@ -412,14 +413,19 @@ def _ssm_step(state, hidden_states, dt, A, B, C, D=None, dt_bias=None, dt_softpl
     return out.to(hidden_states.dtype)
 
 
-@contextlib.contextmanager
-def out_of_place_ssm_step(model: nn.Module) -> Iterator[None]:
-    """For the duration, the Mamba-2 mixers of ``model`` take :func:`_ssm_step` for one-token steps."""
+def ssm_step_modules(model: nn.Module) -> list:
+    """The transformers modeling modules of ``model``'s Mamba-2 mixers (for :func:`out_of_place_ssm_step`)."""
     import sys
 
     modules = {sys.modules.get(type(m).__module__) for m in model.modules()}
-    modules = [m for m in modules if m is not None and m.__name__.rsplit(".", 1)[-1].removeprefix("modeling_")
-               in _SSM_MODULES and hasattr(m, _SSM_STEP)]  # fmt: skip
+    return [m for m in modules if m is not None and m.__name__.rsplit(".", 1)[-1].removeprefix("modeling_")
+            in _SSM_MODULES and hasattr(m, _SSM_STEP)]  # fmt: skip
+
+
+@contextlib.contextmanager
+def out_of_place_ssm_step(modules: list) -> Iterator[None]:
+    """For the duration, the Mamba-2 mixers of ``modules`` (:func:`ssm_step_modules`) take
+    :func:`_ssm_step` for one-token steps."""
     saved = [(m, getattr(m, _SSM_STEP)) for m in modules]
     for m, _ in saved:
         setattr(m, _SSM_STEP, _ssm_step)

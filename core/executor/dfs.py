@@ -151,12 +151,12 @@ class DepthFirstPass:
         pos = torch.arange(start, start + width, device=self.device).expand(len(batch), -1)
         cache = self.adapter.make_cache(self.past, self.past_len, batch=len(batch), pieces=self.pieces)
         with torch.set_grad_enabled(self.grad):
-            routers = [] if self.router is not None and self.router.wants() else None
+            routers = self._routers()
             hidden = self.adapter.hidden(ids.to(self.device), pos, cache=cache, routers=routers)
             term = None
             if routers is not None:
-                lengths = [len(u.tokens) for u in batch]
-                term = self.router.record(routers, token_nodes([u.node for u in batch], lengths, width))
+                nodes = token_nodes([u.node for u in batch], [len(u.tokens) for u in batch], width)
+                term = self.router.record(routers, nodes)
         outputs, grads = [], []
         if term is not None:
             outputs.append(term)
@@ -199,12 +199,18 @@ class DepthFirstPass:
         ids = unit.tokens.to(self.device).unsqueeze(0)
         pos = torch.arange(unit.start, unit.start + len(unit.tokens), device=self.device).unsqueeze(0)
         cache = self.adapter.make_cache(self.past, self.past_len, pieces=self.pieces)
-        routers = [] if self.router is not None and self.router.wants() else None
+        routers = self._routers()
         hidden = self.adapter.hidden(ids, pos, cache=cache, routers=routers)
-        term = None
-        if routers is not None:
-            term = self.router.record(routers, torch.full((len(unit.tokens),), unit.node))
+        term = (
+            self.router.record(routers, torch.full((len(unit.tokens),), unit.node))
+            if routers is not None
+            else None
+        )
         return hidden, recorded(cache), term
+
+    def _routers(self) -> list | None:
+        """A list for the next forward's router logits, or None when this forward records none."""
+        return [] if self.router is not None and self.router.wants() else None
 
     def _backpropagate(self, frame: _Frame) -> None:
         outputs: list[torch.Tensor] = []

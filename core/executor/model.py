@@ -99,6 +99,7 @@ class ModelAdapter:
                 "parent's state: train this model without tree_packing"
             )
         self.has_state = "state" in self.layer_kinds or "mixed" in self.layer_kinds
+        self.ssm_modules = compat.ssm_step_modules(self.base)  # whose one-token step a pass swaps
         self.attn_implementation = compat.attention_implementation(self.base.config)
 
     @property

@@ -435,7 +435,10 @@ class TreeExecutor:
         lp = torch.zeros(forest.num_entries, dtype=self.dtype, device=self.device)
         ent = torch.zeros_like(lp) if entropy else None
         head = ScoredHead(self.adapter, self.temperature, self.head_chunk_elems, lp, ent, coef)
-        with self.adapter.checkpointing_off() as was_on, compat.out_of_place_ssm_step(self.model):
+        with (
+            self.adapter.checkpointing_off() as was_on,
+            compat.out_of_place_ssm_step(self.adapter.ssm_modules),
+        ):
             if was_on and not self._warned_checkpointing:
                 logger.info(
                     "gradient checkpointing is on in the model; forkrl turns it off inside tree passes "

@@ -286,12 +286,18 @@ def byte_llama(seed: int = 0, **config: Any) -> nn.Module:
 
     Hidden 32, 2 layers unless ``config`` says otherwise; the generation config carries pad/eos.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    return _byte_model("LlamaConfig", "LlamaForCausalLM", seed, {"intermediate_size": 64, **config})
+
+
+def _byte_model(config_cls: str, model_cls: str, seed: int, config: dict[str, Any]) -> nn.Module:
+    """A tiny float32 causal LM for :func:`byte_tokenizer` (hidden 32, 2 layers, GQA 4/2); the
+    generation config carries pad/eos; ``config`` overrides fields."""
+    import transformers
 
     fields = dict(
         vocab_size=BYTE_VOCAB,
         hidden_size=32,
-        intermediate_size=64,
+        intermediate_size=48,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -302,7 +308,9 @@ def byte_llama(seed: int = 0, **config: Any) -> nn.Module:
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**{**fields, **config})).float()
+    model = getattr(transformers, model_cls)(
+        getattr(transformers, config_cls)(**{**fields, **config})
+    ).float()
     model.generation_config.pad_token_id = model.config.pad_token_id
     model.generation_config.eos_token_id = model.config.eos_token_id
     return model
@@ -324,31 +332,8 @@ BYTE_MOE = {
 def byte_moe(name: str = "qwen3moe", seed: int = 0, **config: Any) -> nn.Module:
     """A tiny MoE causal LM (:data:`BYTE_MOE`: 4 experts, top-2, 2 layers, hidden 32) for
     :func:`byte_tokenizer`, float32; ``config`` overrides fields (``router_aux_loss_coef``, ...)."""
-    import transformers
-
     config_cls, model_cls, experts = BYTE_MOE[name]
-    fields = dict(
-        vocab_size=BYTE_VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts_per_tok=2,
-        max_position_embeddings=1024,
-        pad_token_id=BYTE_PAD,
-        eos_token_id=BYTE_EOS,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-        **experts,
-    )
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(
-        getattr(transformers, config_cls)(**{**fields, **config})
-    ).float()
-    model.generation_config.pad_token_id = model.config.pad_token_id
-    model.generation_config.eos_token_id = model.config.eos_token_id
-    return model
+    return _byte_model(config_cls, model_cls, seed, {"num_experts_per_tok": 2, **experts, **config})
 
 
 def save_pretrained(model: nn.Module, tokenizer, path: str | Path) -> str:

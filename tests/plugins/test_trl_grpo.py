@@ -33,6 +33,7 @@ from .trl_helpers import (  # noqa: E402
     relative_difference,
     save_tiny_llama,
     train,
+    train_rloo,
 )
 
 TOL = 1e-4
@@ -417,17 +418,8 @@ def test_trl_contract_generation_attributes():
 def test_rloo_plugin_equals_stock(cfg, model_path, init, tmp_path):
     """RLOO (sequence-level loss, old log-probs always scored): same update as stock trl.RLOOTrainer.
     TRL's own seeded generation produces the rollouts, identically in both runs."""
-    results = {}
-    for forkrl in (False, True):
-        kw = base_args(tmp_path / str(forkrl), max_completion_length=10, **cfg)
-        if forkrl:
-            args, cls = ftrl.RLOOConfig(**kw, tree_packing=True), ftrl.RLOOTrainer
-        else:
-            args, cls = trl.RLOOConfig(**kw), trl.RLOOTrainer
-        trainer = cls(model=model_path, reward_funcs=letter_reward, args=args, train_dataset=prompt_dataset())
-        trainer.train()
-        results[forkrl] = ({n: p.detach().clone() for n, p in trainer.model.named_parameters()}, trainer)
-    (stock, st), (tree, tt) = results[False], results[True]
+    stock, st = train_rloo(model_path, tmp_path / "stock", False, **cfg)
+    tree, tt = train_rloo(model_path, tmp_path / "tree", True, **cfg)
     assert relative_difference(tree, stock, init) < TOL
     assert _logged(tt)[-1]["tree/compression"] > 1.0
     for a, b in zip(_logged(st), _logged(tt), strict=True):

@@ -10,9 +10,8 @@ import pytest
 trl = pytest.importorskip("trl")
 
 from forkrl.core.testing.models import BYTE_MOE, byte_moe, byte_tokenizer, save_pretrained  # noqa: E402
-from forkrl.plugins import trl as ftrl  # noqa: E402
 
-from .trl_helpers import base_args, letter_reward, prompt_dataset, relative_difference, train  # noqa: E402
+from .trl_helpers import initial_params, relative_difference, train, train_rloo  # noqa: E402
 
 TOL = 1e-4
 COEF = 0.5  # large enough that the router gradient is a visible part of the update
@@ -25,13 +24,6 @@ def save_tiny_moe(path, name: str) -> str:
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
     return {name: save_tiny_moe(tmp_path_factory.mktemp(name), name) for name in BYTE_MOE}
-
-
-def _init(path):
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(path)
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _aux_logged(trainer) -> list[float]:
@@ -62,7 +54,7 @@ def test_router_aux_loss_equals_stock(name, cfg, paths, tmp_path):
     stock_cfg = {k: v for k, v in cfg.items() if not k.startswith("tree_")}
     stock, st = train(path, tmp_path / "stock", False, **stock_cfg)
     tree, tt = train(path, tmp_path / "tree", True, **cfg)
-    init = _init(path)
+    init = initial_params(path)
     assert st.aux_loss_enabled and tt.aux_loss_enabled
     assert relative_difference(tree, stock, init) < TOL
     a, b = _aux_logged(st), _aux_logged(tt)
@@ -83,23 +75,14 @@ def test_router_aux_loss_is_part_of_the_update(paths, tmp_path):
     path = paths["qwen3moe"]
     with_aux, _ = train(path, tmp_path / "aux", False)
     without, _ = train(path, tmp_path / "noaux", False, router_aux_loss_coef=0.0)
-    assert relative_difference(without, with_aux, _init(path)) > 100 * TOL
+    assert relative_difference(without, with_aux, initial_params(path)) > 100 * TOL
 
 
 def test_rloo_router_aux_loss_equals_stock(paths, tmp_path):
     path = paths["qwen3moe"]
-    results = {}
-    for forkrl in (False, True):
-        kw = base_args(tmp_path / str(forkrl), max_completion_length=10)
-        if forkrl:
-            args, cls = ftrl.RLOOConfig(**kw, tree_packing=True), ftrl.RLOOTrainer
-        else:
-            args, cls = trl.RLOOConfig(**kw), trl.RLOOTrainer
-        trainer = cls(model=path, reward_funcs=letter_reward, args=args, train_dataset=prompt_dataset())
-        trainer.train()
-        results[forkrl] = ({n: p.detach().clone() for n, p in trainer.model.named_parameters()}, trainer)
-    (stock, st), (tree, tt) = results[False], results[True]
+    stock, st = train_rloo(path, tmp_path / "stock", False)
+    tree, tt = train_rloo(path, tmp_path / "tree", True)
     assert st.aux_loss_enabled
-    assert relative_difference(tree, stock, _init(path)) < TOL
+    assert relative_difference(tree, stock, initial_params(path)) < TOL
     for x, y in zip(_aux_logged(st), _aux_logged(tt), strict=True):
         assert math.isclose(x, y, rel_tol=1e-4)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 from datasets import Dataset
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 from forkrl.core.testing.models import (
     BYTE_EOS,
@@ -146,8 +146,25 @@ def train(
 
 
 def initial_params(model_path: str) -> dict[str, torch.Tensor]:
-    model = LlamaForCausalLM.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train_rloo(model_path: str, out: Path, forkrl: bool, **kw: Any) -> tuple[dict[str, torch.Tensor], Any]:
+    """Stock ``trl.RLOOTrainer`` or forkrl's with tree_packing, TRL's own seeded generation (short
+    completions); returns the final parameters and the trainer."""
+    import trl
+
+    from forkrl.plugins import trl as ftrl
+
+    args = base_args(out, max_completion_length=10, **kw)
+    if forkrl:
+        args, cls = ftrl.RLOOConfig(**args, tree_packing=True), ftrl.RLOOTrainer
+    else:
+        args, cls = trl.RLOOConfig(**args), trl.RLOOTrainer
+    trainer = cls(model=model_path, reward_funcs=letter_reward, args=args, train_dataset=prompt_dataset())
+    trainer.train()
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, trainer
 
 
 def relative_difference(
