@@ -79,7 +79,7 @@ def rank_main(args) -> None:
 
     from forkrl.core import RowLayout, TreeOptions, TreeStep
     from forkrl.core.testing.models import dense_logprobs, llama
-    from forkrl.core.testing.ranks import finish
+    from forkrl.core.testing.ranks import finish, report
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -127,7 +127,7 @@ def rank_main(args) -> None:
         with mode:
             fn()
         result[name] = {k: {"calls": mode.calls.get(k, 0), "bytes": mode.bytes.get(k, 0)} for k in KINDS}
-    print("RESULT " + json.dumps(result), flush=True)
+    report("RESULT " + json.dumps(result))  # rank 0 prints every rank's line: ranks' own prints interleave
     finish()
 
 
