@@ -6,8 +6,10 @@
 - :mod:`.stats`: :class:`SpeculativeStats` (the ``spec/*`` metrics) and :class:`SpeculativeOutput`.
 - :mod:`.options`: :class:`SpeculativeOptions`, every host's flags, defined once.
 - :mod:`.rollout`: :class:`SelfSpeculativeRollout`, the drafter kept in step with the policy.
-
-A vLLM engine (the drafter reloaded after each weight sync) is the next engine to add here.
+- :mod:`.vllm_engine`: the vLLM engine: ``speculative_config`` for forkrl's drafter, forkrl's vLLM
+  plugin (``vllm.general_plugins``) and :class:`~.vllm_engine.DrafterMirror`, which re-quantizes the
+  drafter from the target's weights after every weight sync, inside vLLM's worker.
+- :mod:`.vllm_quant`: forkrl's round-to-nearest quantization as vLLM quantization methods (imports vLLM).
 """
 
 from ..quant import Drafter

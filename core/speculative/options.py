@@ -40,7 +40,8 @@ class SpeculativeOptions:
     speculative_policy: SpeculativePolicyName = option(
         "auto",
         "'auto': time the policy and the drafter on this machine at the first rollout and speculate only where the "
-        "cost model predicts a gain, with the draft length following the acceptance rate. 'always': speculate every "
+        "cost model predicts a gain, with the draft length following the acceptance rate (a vLLM engine built by the "
+        "trainer gets the cost model's draft length per batch size, fixed when it starts). 'always': speculate every "
         "step with speculative_draft_len.",
     )
     speculative_draft_len: int = option(4, "Draft length for speculative_policy='always'.")

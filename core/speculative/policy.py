@@ -373,6 +373,24 @@ class SpeculationPolicy:
                 return Decision(0, best, self.alpha, batch_size)
         return Decision(best_k, best, self.alpha, batch_size)
 
+    def batch_schedule(self, max_batch: int) -> list[tuple[int, int, int]]:
+        """The draft length per active batch size, as inclusive ranges ``(first, last, k)``, 1..``max_batch``.
+
+        What :meth:`decide` would pick with no length limit at the current acceptance estimate
+        (``k = 0``: plain decoding), for engines that take a fixed table when they start (vLLM's
+        ``num_speculative_tokens_per_batch_size``) rather than asking every step.
+        """
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        ks = [self.decide(b).k for b in range(1, max_batch + 1)]
+        ranges: list[tuple[int, int, int]] = []
+        for b, k in enumerate(ks, start=1):
+            if ranges and ranges[-1][2] == k:
+                ranges[-1] = (ranges[-1][0], b, k)
+            else:
+                ranges.append((b, b, k))
+        return ranges
+
     def observe(self, accepted: int, rejected: int) -> None:
         """Update the acceptance estimate after a speculative step.
 

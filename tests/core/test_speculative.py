@@ -501,6 +501,40 @@ def test_policy_speculates_only_where_it_pays():
     assert cm.table(0.9)[0]["best_k"] == small.k and cm.table(0.9)[1]["speedup"] < 1
 
 
+def _schedule_policy() -> SpeculationPolicy:
+    # Drafting pays at small batches and not at large ones (the drafter's cost grows to the target's).
+    return SpeculationPolicy.from_timings(
+        [1, 64],
+        {
+            1: [1.0, 4.0],
+            2: [1.05, 7.0],
+            3: [1.1, 10.0],
+            4: [1.15, 13.0],
+            5: [1.2, 16.0],
+            7: [1.3, 22.0],
+            9: [1.4, 28.0],
+        },
+        {1: [0.1, 4.0], 2: [0.11, 7.0]},
+        alpha_init=0.9,
+        margin=0.05,
+    )
+
+
+def test_batch_schedule_is_the_policys_choice_per_batch_size():
+    """The table an engine takes at start (vLLM's per-batch-size draft lengths): decide() per batch size,
+    as contiguous inclusive ranges covering 1..max_batch."""
+    policy = _schedule_policy()
+    schedule = policy.batch_schedule(64)
+    assert schedule[0][0] == 1 and schedule[-1][1] == 64
+    assert all(a[1] + 1 == b[0] and a[2] != b[2] for a, b in itertools.pairwise(schedule))
+    for first, last, k in schedule:
+        assert all(policy.decide(b).k == k for b in range(first, last + 1))
+    assert schedule[0][2] == policy.decide(1).k > 0 and schedule[-1][2] == 0
+    assert SpeculationPolicy.fixed(3).batch_schedule(8) == [(1, 8, 3)]
+    with pytest.raises(ValueError, match="max_batch"):
+        policy.batch_schedule(0)
+
+
 def test_policy_and_cost_model_validation():
     with pytest.raises(ValueError, match="needs a cost model"):
         SpeculationPolicy()
