@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,6 +146,18 @@ PRIVATES: tuple[HostPrivate, ...] = (
         "set per micro-batch so TRL's once-per-step loss work (adaptive entropy) runs once",
     ),
     HostPrivate("trl", "trl.models.unwrap_model_for_generation", "the model the speculative sampler drives"),
+    HostPrivate(
+        "VLLMGeneration",
+        "_init_vllm",
+        "colocate mode builds `self.llm = LLM(` from the module global LLM: swapped to add the speculative config",
+    ),
+    HostPrivate(
+        "VLLMGeneration", "llm", "the colocated engine (its get_metrics: spec counters)", attribute=True
+    ),
+    HostPrivate(
+        "VLLMGeneration", "vllm_client", "the server's client (its base_url: /metrics)", attribute=True
+    ),
+    HostPrivate("GRPOTrainer", "vllm_generation", "TRL's vLLM generation object", attribute=True),
 )
 
 
@@ -169,6 +181,17 @@ def check(private: HostPrivate) -> None:
         import trl.models
 
         assert callable(getattr(trl.models, private.name.split(".")[-1], None)), f"gone: {label}"
+        return
+    if private.owner == "VLLMGeneration":
+        from trl.generation.vllm_generation import VLLMGeneration
+
+        source = inspect.getsource(VLLMGeneration)
+        if private.attribute:
+            assert f"self.{private.name} =" in source, f"VLLMGeneration no longer sets {label}"
+        else:
+            assert "self.llm = LLM(" in inspect.getsource(getattr(VLLMGeneration, private.name)), (
+                f"changed: {label}"
+            )
         return
     for cls in _trainer_classes(private.owner):
         if private.attribute:  # set in __init__, or a class attribute
@@ -225,6 +248,32 @@ def sync_gradients(trainer: Any, value: bool) -> Iterator[None]:
         yield
     finally:
         state._set_sync_gradients(old)
+
+
+@contextlib.contextmanager
+def vllm_engine_kwargs(extra: Callable[[dict[str, Any]], dict[str, Any]]) -> Iterator[None]:
+    """TRL's colocated ``LLM(...)`` gets ``extra(kwargs)`` added to its keyword arguments for the duration."""
+    import trl.generation.vllm_generation as vg
+
+    missing = object()
+    original = getattr(vg, "LLM", missing)  # absent without vLLM: TRL refuses use_vllm before calling it
+
+    def llm(*args: Any, **kwargs: Any) -> Any:
+        return original(*args, **{**kwargs, **extra(kwargs)})
+
+    vg.LLM = llm
+    try:
+        yield
+    finally:
+        if original is missing:
+            del vg.LLM
+        else:
+            vg.LLM = original
+
+
+def vllm_generation(trainer: Any) -> Any:
+    """TRL's ``VLLMGeneration`` of a trainer with ``use_vllm=True``."""
+    return trainer.vllm_generation
 
 
 def unwrap_for_generation(trainer: Any):

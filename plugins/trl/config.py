@@ -4,7 +4,8 @@ The subclasses only add fields (precedent: TRL's ``experimental/gmpo``): the fie
 are core's :class:`~forkrl.core.train.TreeOptions` and
 :class:`~forkrl.core.speculative.SpeculativeOptions`, inherited as they are; every TRL field keeps
 its meaning and default. What is checked here is what only TRL's own settings can contradict
-(fp16 scaling, engines, vLLM generation, sampling options the exact sampler cannot reproduce).
+(fp16 scaling, engines, the vLLM drafter's fixed draft length, sampling options the exact sampler
+cannot reproduce).
 """
 
 from __future__ import annotations
@@ -63,9 +64,14 @@ class ForkrlOptions(TreeOptions, SpeculativeOptions):
 
     def _validate_speculative_host(self) -> None:
         if getattr(self, "use_vllm", False):
-            raise ValueError(
-                "speculative_rollout drives TRL's transformers generation; with use_vllm=True generation runs in vLLM "
-                "(its speculative path is a later forkrl release): set use_vllm=False or speculative_rollout=False"
+            # vLLM drafts with forkrl's quantized policy; its draft lengths are fixed when the engine starts,
+            # from forkrl's cost model only where the trainer builds the engine (colocate).
+            from forkrl.core.speculative.vllm_engine import check_engine_policy
+
+            check_engine_policy(
+                self,
+                calibrates=self.vllm_mode == "colocate",
+                fix=" (in server mode the server fixes it: python -m forkrl.plugins.trl.vllm_serve)",
             )
         if getattr(self, "use_transformers_continuous_batching", False):
             raise ValueError(

@@ -35,9 +35,10 @@ from trl import RLOOTrainer as _TRLRLOOTrainer
 from forkrl.core import RowLayout, TreeStep, UnsupportedModelError
 from forkrl.core.executor import RouterLoss
 from forkrl.core.speculative import SelfSpeculativeRollout
+from forkrl.core.speculative.vllm_engine import spec_decode_metrics
 from forkrl.core.train import StepMetrics, is_fsdp2
 
-from . import compat
+from . import compat, vllm_speculative
 from .balance import balance_window, unsafe_reason
 from .config import FORKRL_FIELDS, GRPOConfig, RLOOConfig
 
@@ -95,12 +96,19 @@ class TreeTrainingMixin:
         self._tree_step: TreeStep | None = None
         self._tree_balance = False
         self._spec_rollout: SelfSpeculativeRollout | None = None
-        super().__init__(**arguments)
+        self._spec_vllm = bool(config.speculative_rollout and config.use_vllm)
+        self._spec_warned = False
+        with contextlib.ExitStack() as stack:
+            if self._spec_vllm and config.vllm_mode == "colocate":
+                extra = vllm_speculative.colocate_engine_kwargs(config, lambda: self.model)
+                stack.enter_context(compat.vllm_engine_kwargs(extra))
+            super().__init__(**arguments)
         if config.tree_enabled:
             self._tree_step = TreeStep(config, temperature=self.temperature)
             self._check_tree_setup()
         if config.speculative_rollout:
             self._check_speculative_setup()
+        if config.speculative_rollout and not self._spec_vllm:
             self._spec_rollout = SelfSpeculativeRollout(
                 config,
                 temperature=self.temperature,
@@ -252,6 +260,8 @@ class TreeTrainingMixin:
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *args, **kwargs):
         """TRL's generation, or with ``speculative_rollout`` the exact self-speculative sampler."""
+        if self._spec_vllm:
+            return self._generate_vllm_speculative(prompt_ids, images, multimodal_fields, *args, **kwargs)
         if self._spec_rollout is None or images is not None or multimodal_fields:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
         pad_id = self._tokenizer.pad_token_id
@@ -280,6 +290,27 @@ class TreeTrainingMixin:
         for key, value in out.stats.as_metrics().items():
             sink[key].append(value)
         return [out.sequences[b, width : width + n].tolist() for b, n in enumerate(lengths)], None
+
+    def _generate_vllm_speculative(self, *args, **kwargs):
+        """TRL's vLLM generation (vLLM drafts with forkrl's drafter), its ``spec/*`` figures from vLLM's counters."""
+        generation = compat.vllm_generation(self)
+        before = vllm_speculative.counters(generation)
+        start = time.perf_counter()
+        out = super()._generate_single_turn(*args, **kwargs)
+        elapsed = time.perf_counter() - start
+        after = vllm_speculative.counters(generation) if before is not None else None
+        sink = compat.metrics(self, "train" if self.model.training else "eval")
+        sink["spec/rollout_time"].append(elapsed)
+        figures = spec_decode_metrics(before, after) if after is not None else {}
+        if after is not None and not figures and not self._spec_warned:
+            self._spec_warned = True
+            logger.warning(
+                "speculative_rollout: vLLM drafted nothing in this rollout; in server mode start the server with "
+                "`python -m forkrl.plugins.trl.vllm_serve` (see its docstring)"
+            )
+        for key, value in figures.items():
+            sink[key].append(value)
+        return out
 
     def _speculative_sampler(self, model: torch.nn.Module, prompt_lengths: list[int]):
         """The sampler, its drafter re-derived from the current weights once per optimizer step."""
