@@ -71,6 +71,12 @@ SWAPS: tuple[tuple[str, str, str], ...] = (
         "iter_grad_accum_global_norm",
         "worker: ActorPPOTrainer.ppo_train groups micro-batches into optimizer-step windows with it",
     ),
+    (
+        "openrlhf.trainer.ray.vllm_engine",
+        "RolloutRayActor",
+        "driver (--forkrl.speculative_rollout): create_vllm_engines builds each engine with "
+        "RolloutRayActor.options(...).remote(**actor_kwargs), whose kwargs become vLLM's AsyncEngineArgs",
+    ),
 )
 
 
@@ -133,6 +139,14 @@ def _swaps() -> None:
         "args = hierarchize(args)",
     ):
         assert needle in src, needle
+    from openrlhf.trainer.ray import vllm_engine
+
+    engines = inspect.getsource(vllm_engine.create_vllm_engines)
+    assert "RolloutRayActor.options(" in engines and ".remote(**actor_kwargs)" in engines
+    assert '"model": pretrain' in engines and '"tensor_parallel_size": tensor_parallel_size' in engines
+    assert "vllm.AsyncEngineArgs(*args, **self.kwargs)" in inspect.getsource(
+        vllm_engine.RolloutRayActor.__ray_actor_class__
+    )
     from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
     init = inspect.getsource(PolicyModelActor.__ray_actor_class__.init_model_from_pretrained)

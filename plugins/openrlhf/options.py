@@ -1,6 +1,7 @@
 """forkrl's OpenRLHF flags (``--forkrl.<option>``, OpenRLHF's dotted style) and the setups they refuse.
 
-The flags are :class:`forkrl.core.train.TreeOptions`' fields (one definition for every host). The
+The flags are the fields of :class:`forkrl.core.train.TreeOptions` and
+:class:`forkrl.core.speculative.SpeculativeOptions` (one definition for every host). The
 launcher parses them off the command line before OpenRLHF sees it (:func:`parse_flags`) and
 attaches them to OpenRLHF's arguments as ``args.forkrl`` (a namespace, like OpenRLHF's own
 ``args.actor``), which reach every Ray actor through ``strategy.args``; :func:`options_from`
@@ -12,15 +13,26 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 from forkrl.core.options import add_arguments
+from forkrl.core.speculative import SpeculativeOptions
 from forkrl.core.train import TreeOptions
 
-__all__ = ["FLAG_PREFIX", "check_host_args", "flag_parser", "options_from", "parse_flags"]
+__all__ = ["FLAG_PREFIX", "ForkrlOptions", "check_host_args", "flag_parser", "options_from", "parse_flags"]
 
 FLAG_PREFIX = "--forkrl."
+
+
+@dataclass
+class ForkrlOptions(TreeOptions, SpeculativeOptions):
+    """forkrl's OpenRLHF options: tree training and self-speculative rollouts (core's classes, combined)."""
+
+    def __post_init__(self) -> None:
+        self.validate_tree_options()
+        self.validate_speculative_options()
 
 
 def flag_parser() -> argparse.ArgumentParser:
@@ -31,11 +43,11 @@ def flag_parser() -> argparse.ArgumentParser:
         add_help=False,
         allow_abbrev=False,
     )
-    add_arguments(parser, TreeOptions, prefix=FLAG_PREFIX)
+    add_arguments(parser, ForkrlOptions, prefix=FLAG_PREFIX)
     return parser
 
 
-def parse_flags(argv: Sequence[str]) -> tuple[TreeOptions, list[str]]:
+def parse_flags(argv: Sequence[str]) -> tuple[ForkrlOptions, list[str]]:
     """Split ``argv`` into forkrl's options and the rest (OpenRLHF's flags, untouched).
 
     Raises:
@@ -46,26 +58,26 @@ def parse_flags(argv: Sequence[str]) -> tuple[TreeOptions, list[str]]:
     namespace, rest = parser.parse_known_args(list(argv))
     unknown = [arg.split("=", 1)[0] for arg in rest if arg.startswith(FLAG_PREFIX)]
     if unknown:
-        names = ", ".join(FLAG_PREFIX + f.name for f in dataclasses.fields(TreeOptions))
+        names = ", ".join(FLAG_PREFIX + f.name for f in dataclasses.fields(ForkrlOptions))
         parser.error(f"unknown forkrl flag {unknown[0]}: forkrl's flags are {names}")
-    values = {f.name: getattr(namespace, FLAG_PREFIX[2:] + f.name) for f in dataclasses.fields(TreeOptions)}
+    values = {f.name: getattr(namespace, FLAG_PREFIX[2:] + f.name) for f in dataclasses.fields(ForkrlOptions)}
     try:
-        options = TreeOptions(**values)
+        options = ForkrlOptions(**values)
     except ValueError as err:
         parser.error(f"forkrl flags: {err} (each option X is the flag {FLAG_PREFIX}X)")
     return options, rest
 
 
-def attach(args: Any, options: TreeOptions) -> Any:
+def attach(args: Any, options: ForkrlOptions) -> Any:
     """Put ``options`` on OpenRLHF's (hierarchized) ``args`` as ``args.forkrl``."""
     args.forkrl = SimpleNamespace(**dataclasses.asdict(options))
     return args
 
 
-def options_from(args: Any) -> TreeOptions:
+def options_from(args: Any) -> ForkrlOptions:
     """forkrl's options from OpenRLHF's ``args`` (``strategy.args``); all off when absent."""
     values = getattr(args, "forkrl", None)
-    return TreeOptions(**vars(values)) if values is not None else TreeOptions()
+    return ForkrlOptions(**vars(values)) if values is not None else ForkrlOptions()
 
 
 def _get(args: Any, path: str, default: Any = None) -> Any:
@@ -77,12 +89,14 @@ def _get(args: Any, path: str, default: Any = None) -> Any:
     return node
 
 
-def check_host_args(args: Any, options: TreeOptions) -> None:
-    """Refuse OpenRLHF settings that tree training cannot make exact (before anything starts).
+def check_host_args(args: Any, options: ForkrlOptions) -> None:
+    """Refuse OpenRLHF settings that tree training or the vLLM drafter cannot serve (before anything starts).
 
     Raises:
         ValueError: naming the OpenRLHF flag and the alternative.
     """
+    if options.speculative_rollout:
+        _check_speculative_args(args, options)
     if not options.tree_enabled:
         return
     flag = "--forkrl.tree_packing" if options.tree_packing else "--forkrl.long_context_replay"
@@ -124,3 +138,17 @@ def check_host_args(args: Any, options: TreeOptions) -> None:
     for refused, why in refusals:
         if refused:
             raise ValueError(f"{flag}: {why}; or train without {flag}")
+
+
+def _check_speculative_args(args: Any, options: ForkrlOptions) -> None:
+    from forkrl.core.speculative.vllm_engine import check_engine_policy
+
+    if (_get(args, "vllm.num_engines", 0) or 0) < 1:
+        raise ValueError(
+            "--forkrl.speculative_rollout drafts inside OpenRLHF's vLLM engines: set --vllm.num_engines >= 1, or drop it"
+        )
+    check_engine_policy(
+        options,
+        calibrates=False,
+        fix=" (as flags: --forkrl.speculative_policy always --forkrl.speculative_draft_len K)",
+    )

@@ -16,15 +16,14 @@ result gets forkrl's options as ``args.forkrl`` (they reach every actor through 
 
 from __future__ import annotations
 
+import contextlib
 import runpy
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from forkrl.core.train import TreeOptions
-
 from . import compat
-from .options import attach, check_host_args, flag_parser, parse_flags
+from .options import ForkrlOptions, attach, check_host_args, flag_parser, parse_flags
 
 __all__ = ["HOST_MODULE", "main", "parse_args"]
 
@@ -37,7 +36,7 @@ class _Parsed(Exception):  # noqa: N818 (a control-flow signal, not an error)
         self.parsed = args
 
 
-def _hierarchize_with(options: TreeOptions):
+def _hierarchize_with(options: ForkrlOptions):
     from openrlhf.utils import config
 
     host = config.hierarchize
@@ -102,11 +101,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     options, rest = parse_flags(argv)
     from . import actors
 
-    with (
-        compat.swapped("openrlhf.utils.config", hierarchize=_hierarchize_with(options)),
-        compat.swapped("openrlhf.trainer.ray.ppo_actor", PolicyModelActor=actors.PolicyModelActor),
-        compat.swapped("openrlhf.trainer.ray.launcher", ReferenceModelActor=actors.ReferenceModelActor),
-    ):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(compat.swapped("openrlhf.utils.config", hierarchize=_hierarchize_with(options)))
+        stack.enter_context(
+            compat.swapped("openrlhf.trainer.ray.ppo_actor", PolicyModelActor=actors.PolicyModelActor)
+        )
+        stack.enter_context(
+            compat.swapped("openrlhf.trainer.ray.launcher", ReferenceModelActor=actors.ReferenceModelActor)
+        )
+        if options.speculative_rollout:
+            from openrlhf.trainer.ray import vllm_engine
+
+            from .rollout import SpeculativeRolloutActor
+
+            engine = SpeculativeRolloutActor(vllm_engine.RolloutRayActor, options)
+            stack.enter_context(compat.swapped(vllm_engine, RolloutRayActor=engine))
         _run_host(rest)
 
 

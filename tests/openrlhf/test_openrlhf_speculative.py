@@ -1,0 +1,88 @@
+"""``--forkrl.speculative_rollout``: the flags through OpenRLHF's real command line, and the engine
+arguments forkrl adds to each of OpenRLHF's vLLM engines (checked against vLLM's AsyncEngineArgs).
+The drafter's re-sync inside vLLM is tested in test_vllm_drafter.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from forkrl.plugins.openrlhf import train_ppo_ray
+from forkrl.plugins.openrlhf.options import parse_flags
+from forkrl.plugins.openrlhf.rollout import SpeculativeRolloutActor
+
+from . import harness as h
+
+SPEC = (
+    "--forkrl.speculative_rollout",
+    "--forkrl.speculative_policy",
+    "always",
+    "--forkrl.speculative_draft_len",
+    "5",
+)
+
+
+def test_flags_reach_openrlhf_args():
+    args = h.parse_args(
+        h.command("some/model", *SPEC, "--forkrl.speculative_bits", "8", "--forkrl.tree_packing")
+    )
+    assert args.forkrl.speculative_rollout is True and args.forkrl.speculative_draft_len == 5
+    assert args.forkrl.speculative_bits == 8 and args.forkrl.tree_packing is True
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (("--forkrl.speculative_rollout",), "--forkrl.speculative_policy always"),
+        ((*SPEC, "--vllm.num_engines", "0"), "--vllm.num_engines >= 1"),
+    ],
+)
+def test_refusals_before_anything_starts(extra, message, capsys):
+    with pytest.raises(SystemExit) as err:
+        h.parse_args(h.command("some/model", *extra))
+    assert message in str(err.value) + capsys.readouterr().err
+
+
+def test_engine_arguments_get_the_drafter():
+    """Each engine's kwargs (as create_vllm_engines builds them) gain forkrl's speculative_config, which
+    vLLM's own AsyncEngineArgs accepts; Ray's placement options pass through unchanged."""
+    import vllm
+
+    calls = []
+
+    class Handle:
+        def __init__(self, ray_options=None):
+            self.ray_options = ray_options
+
+        def options(self, **kw):
+            return Handle(kw)
+
+        def remote(self, *args, **kwargs):
+            calls.append((self.ray_options, kwargs))
+            return "engine"
+
+    options, _ = parse_flags(list(SPEC))
+    actor = SpeculativeRolloutActor(Handle(), options)
+    engine_kwargs = {"model": "org/policy", "tensor_parallel_size": 2, "seed": 3, "dtype": "bfloat16"}
+    assert actor.options(num_cpus=1, num_gpus=1).remote(**engine_kwargs, bundle_indices=None) == "engine"
+    ray_options, kwargs = calls[0]
+    assert ray_options == {"num_cpus": 1, "num_gpus": 1}
+    assert kwargs["speculative_config"] == {
+        "method": "draft_model", "model": "org/policy", "num_speculative_tokens": 5,
+        "quantization": "forkrl_int4_g128", "draft_tensor_parallel_size": 2,
+    }  # fmt: skip
+    kwargs.pop("bundle_indices")
+    assert vllm.AsyncEngineArgs(**kwargs).speculative_config == kwargs["speculative_config"]
+    with pytest.raises(ValueError, match="already has a speculative_config"):
+        actor.remote(**kwargs)
+
+
+def test_launcher_swaps_the_engine_class_only_while_it_runs(monkeypatch):
+    from openrlhf.trainer.ray import vllm_engine
+
+    original, seen = vllm_engine.RolloutRayActor, []
+    monkeypatch.setattr(train_ppo_ray, "_run_host", lambda argv: seen.append(vllm_engine.RolloutRayActor))
+    train_ppo_ray.main(h.command("some/model", *SPEC))
+    assert isinstance(seen[0], SpeculativeRolloutActor) and seen[0].actor_class is original
+    assert vllm_engine.RolloutRayActor is original
+    train_ppo_ray.main(h.command("some/model"))
+    assert seen[1] is original  # without the flag nothing is swapped
