@@ -103,3 +103,26 @@ def test_the_entry_point_registers_the_engine_in_a_fresh_process():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "fsdp2_tree" in out.stdout.split("BACKENDS")[1], out.stdout
     assert "forkrl: veRL plugin loaded" in out.stderr
+
+
+@pytest.mark.parametrize("name", ["forkrl_speculative", "forkrl_tree_speculative"])
+def test_speculative_yaml_passes_forkrls_drafter_to_vllm(name, model_path):
+    """veRL's rollout config, as veRL builds it, carries to vLLM exactly forkrl's speculative config."""
+    from verl.trainer.main_ppo import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    from forkrl.core.speculative import SpeculativeOptions
+    from forkrl.core.speculative.vllm_engine import vllm_speculative_config
+
+    cfg = _compose(name, model_path, ["actor_rollout_ref.rollout.tensor_model_parallel_size=1"])
+    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
+    vllm_kwargs = rollout.engine_kwargs["vllm"]
+    options = SpeculativeOptions(
+        speculative_rollout=True, speculative_policy="always", speculative_draft_len=4
+    )
+    assert dict(vllm_kwargs["speculative_config"]) == vllm_speculative_config(options, model_path, 1)
+    assert vllm_kwargs["disable_log_stats"] is False
+    actor, _ = _build(cfg)
+    tree = getattr(actor.engine, "forkrl", None)  # veRL's own actor config without forkrl_base
+    assert (tree is not None and tree.tree_enabled) == (name == "forkrl_tree_speculative")
