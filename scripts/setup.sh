@@ -131,11 +131,38 @@ setup_openrlhf() {
     say ".venv-openrlhf done: $("$py" -c 'from importlib.metadata import version as v; print(", ".join(f"{p} {v(p)}" for p in ("openrlhf", "deepspeed", "vllm")))')"
 }
 
+# run_bg LABEL COMMAND...: COMMAND in the background, each output line prefixed with [LABEL].
+pids=()
+run_bg() {
+    local label="$1"
+    shift
+    (
+        set -o pipefail
+        "$@" 2>&1 | sed -u "s/^/[$label] /"
+    ) &
+    pids+=($!)
+}
+
+openrlhf_env() {
+    setup_env .venv-openrlhf ".[openrlhf]" test pytest
+    setup_openrlhf
+}
+
 if [ "$mode" = run ]; then
     setup_env .venv ".[trl]" run
 else
-    setup_env .venv ".[dev]" test
-    setup_env .venv-verl ".[verl]" test pytest
-    setup_env .venv-openrlhf ".[openrlhf]" test pytest
-    setup_openrlhf
+    # The environments are independent and their installs wait on downloads more than on the CPU:
+    # build them side by side, and fail when any of them fails.
+    run_bg .venv setup_env .venv ".[dev]" test
+    run_bg .venv-verl setup_env .venv-verl ".[verl]" test pytest
+    run_bg .venv-openrlhf openrlhf_env
+    failed=0
+    for pid in "${pids[@]}"; do
+        wait "$pid" || failed=1
+    done
+    if [ "$failed" -ne 0 ]; then
+        echo "setup.sh: error: an environment failed to install (its lines above are prefixed with its name)" >&2
+        exit 1
+    fi
+    say "every environment is ready"
 fi
