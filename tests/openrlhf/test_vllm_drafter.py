@@ -11,6 +11,7 @@ ops), so the platform's attention-backend lookup is pointed at FlexAttention to 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import socket
 import types
@@ -181,14 +182,17 @@ def test_contract():
 def test_speculative_config_through_vllm(env):
     """forkrl's config builds vLLM's own SpeculativeConfig: a draft model of the policy, forkrl's quantization."""
     from vllm.config import DeviceConfig, VllmConfig
+    from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
     spec = _draft_config(env, 4, 64)
     assert spec.method == "draft_model" and spec.num_speculative_tokens == 3
     assert spec.draft_model_config.model == env.path
     assert spec.draft_model_config.quantization == "forkrl_int4_g64"
-    quant = VllmConfig(
-        model_config=spec.draft_model_config, device_config=DeviceConfig(device="cpu")
-    ).quant_config
+    target = VllmConfig(model_config=env.target_config, device_config=DeviceConfig(device="cpu"))
+    # DraftModelProposer._create_draft_vllm_config: the target's config with the draft model's, quant_config reset.
+    assert "quant_config=None" in inspect.getsource(DraftModelProposer._create_draft_vllm_config)
+    quant = dataclasses.replace(target, quant_config=None, model_config=spec.draft_model_config).quant_config
+    assert target.quant_config is None
     assert (quant.get_name(), quant.bits, quant.group_size) == ("forkrl_int4_g64", 4, 64)
     assert ve.vllm_speculative_config(_options(8, None), "m")["quantization"] == "forkrl_int8"
 
