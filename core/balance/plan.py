@@ -21,8 +21,11 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from ..tree import PrefixForest
 from .cost import CostModel, PieceStats
@@ -57,6 +60,25 @@ class Tree:
             attended += length * start + length * (length + 1) / 2
             scored += self._scored(n)
         return PieceStats(tokens, attended, float(len(nodes)), scored)
+
+    def node_costs(self, model: CostModel) -> list[float]:
+        """Each node's predicted cost (the model is linear: a piece costs the sum over its nodes)."""
+        scored = self.scored or [
+            length if p >= 0 else 0 for length, p in zip(self.lengths, self.parent, strict=True)
+        ]
+        return [
+            model.per_token * length
+            + model.per_attended * (length * start + length * (length + 1) / 2)
+            + model.per_unit
+            + model.per_scored * sc
+            for length, start, sc in zip(self.lengths, self.starts, scored, strict=True)
+        ]
+
+    def piece_cost(self, nodes: Sequence[float], leaves: Sequence[int]) -> float:
+        """The cost of the union of the paths ``leaves``, from :meth:`node_costs`."""
+        if len(leaves) == len(self.ids):  # every node of a trie lies on some path
+            return sum(nodes)
+        return sum(nodes[n] for n in {n for k in leaves for n in self.paths[k]})
 
     def _scored(self, n: int) -> int:
         if self.scored is not None:
@@ -109,10 +131,12 @@ class BalancePlan:
         return self.makespan / self.lower_bound if self.lower_bound > 0 else 1.0
 
 
-def _lower_bound(trees: Sequence[Tree], model: CostModel, num_ranks: int) -> float:
+def _lower_bound(trees: Sequence[Tree], nodes_of: Sequence[list[float]], num_ranks: int) -> float:
     """max(total tree cost / ranks, the costliest single row): no plan does better."""
-    whole = sum(model.predict(t.stats()) for t in trees)
-    single = max(model.predict(t.stats([k])) for t in trees for k in range(len(t.ids)))
+    whole = single = 0.0
+    for t, nodes in zip(trees, nodes_of, strict=True):
+        whole += sum(nodes)
+        single = max(single, max(sum(nodes[n] for n in path) for path in t.paths))
     return max(whole / num_ranks, single)
 
 
@@ -138,29 +162,38 @@ def rows_bound(trees: Sequence[Tree], model: CostModel, rows_per_rank: int) -> f
     return max(c + (low_plus - m if m <= cutoff else low) for c, m in zip(paths, margins, strict=True))
 
 
-def _cut(tree: Tree, model: CostModel, parts: int) -> list[list[int]]:
+def _cut(tree: Tree, nodes: list[float], parts: int) -> list[list[int]]:
     """Consecutive runs of the tree's leaves (pre-order) of about equal cost, ``parts`` of them."""
     order = sorted(range(len(tree.ids)), key=lambda k: tree.paths[k])
-    target = model.predict(tree.stats()) / parts
+    target = sum(nodes) / parts
     runs: list[list[int]] = [[]]
+    seen: set[int] = set()
+    run_cost = 0.0
     for k in order:
-        if runs[-1] and len(runs) < parts and model.predict(tree.stats(runs[-1] + [k])) > target:
+        new = [n for n in tree.paths[k] if n not in seen]
+        added = sum(nodes[n] for n in new)
+        if runs[-1] and len(runs) < parts and run_cost + added > target:
             runs.append([])
+            seen, run_cost = set(), 0.0
+            new = list(tree.paths[k])
+            added = sum(nodes[n] for n in new)
         runs[-1].append(k)
+        seen.update(new)
+        run_cost += added
     return runs
 
 
 def _pieces(
-    trees: Sequence[Tree], model: CostModel, num_ranks: int
+    trees: Sequence[Tree], nodes_of: Sequence[list[float]], num_ranks: int
 ) -> tuple[list[tuple[int, list[int]]], int]:
-    fair = sum(model.predict(t.stats()) for t in trees) / num_ranks
+    whole = [sum(nodes) for nodes in nodes_of]
+    fair = sum(whole) / num_ranks
     pieces, split = [], 0
     for i, tree in enumerate(trees):
-        cost = model.predict(tree.stats())
-        parts = min(len(tree.ids), math.ceil(cost / (fair * SPLIT_SHARE))) if fair > 0 else 1
+        parts = min(len(tree.ids), math.ceil(whole[i] / (fair * SPLIT_SHARE))) if fair > 0 else 1
         if parts > 1:
             split += 1
-            pieces.extend((i, run) for run in _cut(tree, model, parts))
+            pieces.extend((i, run) for run in _cut(tree, nodes_of[i], parts))
         else:
             pieces.append((i, list(range(len(tree.ids)))))
     return pieces, split
@@ -194,15 +227,16 @@ def balance(
             f"rows_per_rank={rows_per_rank} x {num_ranks} ranks != {total_rows} sequences: every rank must get the "
             "same number of rows, so the step's rows must divide evenly"
         )
-    pieces, split = _pieces(trees, model, num_ranks)
+    nodes_of = [t.node_costs(model) for t in trees]
+    pieces, split = _pieces(trees, nodes_of, num_ranks)
     capacity = [rows_per_rank if rows_per_rank is not None else total_rows] * num_ranks
-    cost = {id(p): model.predict(trees[p[0]].stats(p[1])) for p in pieces}
-    queue = sorted(pieces, key=lambda p: -cost[id(p)])
+    cost = {id(p): trees[p[0]].piece_cost(nodes_of[p[0]], p[1]) for p in pieces}
+    queue = deque(sorted(pieces, key=lambda p: -cost[id(p)]))
     loads = [0.0] * num_ranks
     assigned: list[list[tuple[int, list[int]]]] = [[] for _ in range(num_ranks)]
     heap = [(0.0, r) for r in range(num_ranks)]
     while queue:
-        piece = queue.pop(0)
+        piece = queue.popleft()
         rows = len(piece[1])
         skipped = []
         while heap and capacity[heap[0][1]] < rows:
@@ -212,9 +246,10 @@ def balance(
                 heapq.heappush(heap, item)
             r = max(range(num_ranks), key=lambda q: (capacity[q], -loads[q]))
             head, tail = (piece[0], piece[1][: capacity[r]]), (piece[0], piece[1][capacity[r] :])
-            cost[id(head)] = model.predict(trees[head[0]].stats(head[1]))
-            cost[id(tail)] = model.predict(trees[tail[0]].stats(tail[1]))
-            queue[:0] = [head, tail]
+            cost[id(head)] = trees[head[0]].piece_cost(nodes_of[head[0]], head[1])
+            cost[id(tail)] = trees[tail[0]].piece_cost(nodes_of[tail[0]], tail[1])
+            queue.appendleft(tail)
+            queue.appendleft(head)
             continue
         load, r = heapq.heappop(heap)
         for item in skipped:
@@ -222,46 +257,56 @@ def balance(
         assigned[r].append(piece)
         capacity[r] -= rows
         loads[r] = load + cost[id(piece)]
-        heapq.heappush(heap, (loads[r], r))
+        if (
+            capacity[r] > 0
+        ):  # a full rank leaves the heap: popping it past every later piece is the cost at scale
+            heapq.heappush(heap, (loads[r], r))
     _refine(assigned, loads, cost)
-    plan = evaluate(trees, _ids(trees, assigned), model)
+    plan = evaluate(trees, _ids(trees, assigned), model, nodes_of)
     plan.split_trees, plan.pieces = split, pieces
     plan.seconds = time.perf_counter() - start
     return plan
 
 
-def _best_swap(assigned, loads, cost, top: int, candidates: list[int]):
-    """The swap of a piece of rank ``top`` with an equal-row piece of a candidate rank that lowers
-    the larger of the two loads the most: (gain, index in top, rank, index there), or None."""
-    best = None
-    for i, p in enumerate(assigned[top]):
-        for q in candidates:
-            for j, o in enumerate(assigned[q]):
-                delta = cost[id(p)] - cost[id(o)]
-                if delta <= 0 or len(p[1]) != len(o[1]):
-                    continue
-                worst = max(loads[top] - delta, loads[q] + delta)
-                gain = loads[top] - worst
-                if gain > 1e-12 * loads[top] and (best is None or gain > best[0]):
-                    best = (gain, i, q, j)
-    return best
+def _refine(assigned, loads, cost) -> None:
+    """Swap pieces of equal row counts between the most loaded rank and another while that lowers
+    the slowest rank (row counts per rank are unchanged; ``assigned`` and ``loads`` are updated).
 
-
-def _refine(assigned, loads, cost, lightest: int = 512) -> None:
-    """Swap pieces of equal row counts between the most loaded rank and the lightest ranks while
-    that lowers the slowest rank (row counts per rank are unchanged)."""
-    for _ in range(4 * len(assigned)):
-        top = max(range(len(loads)), key=loads.__getitem__)
-        candidates = sorted((r for r in range(len(loads)) if r != top), key=loads.__getitem__)[:lightest]
-        best = _best_swap(assigned, loads, cost, top, candidates)
+    Each round takes, over every piece of every other rank, the swap that lowers the larger of the
+    two loads the most: a piece of the top rank swapped with one ``delta`` cheaper on a rank ``gap``
+    below gains ``min(delta, gap - delta)``. The search is one vectorised pass over all pieces per
+    piece of the top rank (thousands of ranks: milliseconds per round).
+    """
+    flat = [p for pieces in assigned for p in pieces]
+    if not flat:
+        return
+    price = torch.tensor([cost[id(p)] for p in flat], dtype=torch.float64)
+    rows = torch.tensor([len(p[1]) for p in flat])
+    rank = torch.tensor([r for r, pieces in enumerate(assigned) for _ in pieces])
+    load = torch.tensor(loads, dtype=torch.float64)
+    for _ in range(4 * len(loads)):
+        top = int(torch.argmax(load))
+        top_load = float(load[top])
+        gap = top_load - load[rank]
+        others = rank != top
+        best, best_gain = None, 1e-12 * top_load
+        for a in (rank == top).nonzero()[:, 0].tolist():
+            delta = price[a] - price
+            gain = torch.minimum(delta, gap - delta)
+            gain = torch.where(others & (delta > 0) & (rows == rows[a]), gain, -math.inf)
+            b = int(torch.argmax(gain))
+            if float(gain[b]) > best_gain:
+                best, best_gain = (a, b), float(gain[b])
         if best is None:
-            return
-        _, i, q, j = best
-        p, o = assigned[top][i], assigned[q][j]
-        assigned[top][i], assigned[q][j] = o, p
-        delta = cost[id(p)] - cost[id(o)]
-        loads[top] -= delta
-        loads[q] += delta
+            break
+        a, b = best
+        q, delta = int(rank[b]), float(price[a] - price[b])
+        rank[a], rank[b] = q, top
+        load[top] -= delta
+        load[q] += delta
+    for r in range(len(assigned)):
+        assigned[r] = [flat[k] for k in (rank == r).nonzero()[:, 0].tolist()]
+    loads[:] = load.tolist()
 
 
 def _ids(trees: Sequence[Tree], assigned) -> list[list[int]]:
@@ -269,11 +314,19 @@ def _ids(trees: Sequence[Tree], assigned) -> list[list[int]]:
 
 
 def evaluate(
-    trees: Sequence[Tree], ranks: Sequence[Sequence[int]], model: CostModel | None = None
+    trees: Sequence[Tree],
+    ranks: Sequence[Sequence[int]],
+    model: CostModel | None = None,
+    nodes_of: Sequence[list[float]] | None = None,
 ) -> BalancePlan:
     """The predicted cost of any assignment of sequence ids to ranks (a rank holding part of a tree
-    computes the union of its paths; several parts of one tree on one rank share their prefix)."""
+    computes the union of its paths; several parts of one tree on one rank share their prefix).
+
+    ``nodes_of``: each tree's :meth:`Tree.node_costs` under ``model``, when already computed.
+    """
     model = model or CostModel()
+    if nodes_of is None:
+        nodes_of = [t.node_costs(model) for t in trees]
     where = {s: (t, k) for t, tree in enumerate(trees) for k, s in enumerate(tree.ids)}
     costs = []
     for rank in ranks:
@@ -281,5 +334,5 @@ def evaluate(
         for s in rank:
             t, k = where[s]
             by_tree.setdefault(t, []).append(k)
-        costs.append(sum(model.predict(trees[t].stats(ks)) for t, ks in by_tree.items()))
-    return BalancePlan([list(r) for r in ranks], costs, _lower_bound(trees, model, len(ranks)), 0)
+        costs.append(sum(trees[t].piece_cost(nodes_of[t], ks) for t, ks in by_tree.items()))
+    return BalancePlan([list(r) for r in ranks], costs, _lower_bound(trees, nodes_of, len(ranks)), 0)
