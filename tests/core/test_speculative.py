@@ -459,9 +459,9 @@ def test_expected_tokens_and_speedup_formula():
     assert abs(predicted_speedup(0.5, 2, 1.0, 1.2, 0.3, 0.2) - 1.75 / 1.7) < 1e-12
 
 
-def test_policy_speculates_only_where_it_pays():
-    # Drafting is cheap at batch 1 and as slow as the target at batch 64.
-    policy = SpeculationPolicy.from_timings(
+def _schedule_policy() -> SpeculationPolicy:
+    # Drafting pays at small batches and not at large ones (the drafter's cost grows to the target's).
+    return SpeculationPolicy.from_timings(
         [1, 64],
         {
             1: [1.0, 4.0],
@@ -476,6 +476,10 @@ def test_policy_speculates_only_where_it_pays():
         alpha_init=0.9,
         margin=0.05,
     )
+
+
+def test_policy_speculates_only_where_it_pays():
+    policy = _schedule_policy()
     small, big = policy.decide(1), policy.decide(64)
     assert small.k > 2 and small.speedup > 2
     assert big.k == 0 and big.speedup < 1.05
@@ -499,25 +503,6 @@ def test_policy_speculates_only_where_it_pays():
     cm = policy.cost_model
     assert abs(cm.target(32, 1) - (1.0 + 3.0 * 31 / 63)) < 1e-9  # linear in the batch between grid points
     assert cm.table(0.9)[0]["best_k"] == small.k and cm.table(0.9)[1]["speedup"] < 1
-
-
-def _schedule_policy() -> SpeculationPolicy:
-    # Drafting pays at small batches and not at large ones (the drafter's cost grows to the target's).
-    return SpeculationPolicy.from_timings(
-        [1, 64],
-        {
-            1: [1.0, 4.0],
-            2: [1.05, 7.0],
-            3: [1.1, 10.0],
-            4: [1.15, 13.0],
-            5: [1.2, 16.0],
-            7: [1.3, 22.0],
-            9: [1.4, 28.0],
-        },
-        {1: [0.1, 4.0], 2: [0.11, 7.0]},
-        alpha_init=0.9,
-        margin=0.05,
-    )
 
 
 def test_batch_schedule_is_the_policys_choice_per_batch_size():
