@@ -174,6 +174,8 @@ def test_contract():
         assert (cls().get_name(), cls.bits, cls.group_size) == (name, bits, group)
     for attr in ("get_model", "get_draft_model"):
         assert callable(getattr(GPUModelRunner, attr))
+    init = inspect.getsource(GPUModelRunner.__init__)
+    assert "self.speculative_config = " in init and "self.drafter = DraftModelProposer(" in init
     assert "self.drafter.load_model(self.model)" in inspect.getsource(GPUModelRunner.load_model.__wrapped__)
     assert "self.drafter.propose(" in inspect.getsource(GPUModelRunner)
     assert callable(DraftModelProposer.propose)
