@@ -2,21 +2,24 @@
 
 A plugin either calls :func:`balance` on the step's forest (its :func:`trees_of_forest`) before
 rows are split over ranks, or lets :func:`rebalance` (:mod:`.exchange`) gather the ranks' rows,
-plan and hand each rank its share (TRL's ``tree_balance``).
+plan and hand each rank its share (TRL's ``tree_balance``). :class:`OnlineCostModel` fits the cost
+model to the steps trained so far (every rank's shapes and timings), the same on every rank.
 """
 
-from .cost import CostModel, PieceStats
+from .cost import CostModel, OnlineCostModel, PieceStats
 from .exchange import Rebalanced, rebalance
-from .plan import BalancePlan, Tree, balance, evaluate, rows_bound, trees_of_forest
+from .plan import BalancePlan, Tree, balance, evaluate, forest_stats, rows_bound, trees_of_forest
 
 __all__ = [
     "BalancePlan",
     "CostModel",
+    "OnlineCostModel",
     "PieceStats",
     "Rebalanced",
     "Tree",
     "balance",
     "evaluate",
+    "forest_stats",
     "rebalance",
     "rows_bound",
     "trees_of_forest",

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CostModel", "PieceStats"]
+__all__ = ["CostModel", "OnlineCostModel", "PieceStats"]
 
 
 @dataclass(frozen=True)
@@ -99,3 +99,59 @@ class CostModel:
                 break
             active = [j for j, c in zip(active, sol.tolist(), strict=True) if c > 0]
         return cls(*(float(c) for c in coef))
+
+
+class OnlineCostModel:
+    """A :class:`CostModel` fitted to the steps trained so far: every rank's (shape, seconds) of each
+    step, gathered so every rank fits the same model (the balancer's plan must agree across ranks).
+
+    Until ``min_samples`` samples are in (and while a fit fails), :attr:`model` is ``default``. The
+    fit uses the newest ``max_samples`` samples, so the model follows a run whose costs drift.
+
+    Args:
+        min_samples: samples before the first fit (at least 4, the model's features).
+        max_samples: samples kept.
+        default: the model before the first fit.
+    """
+
+    def __init__(self, min_samples: int = 8, max_samples: int = 64, default: CostModel | None = None) -> None:
+        if not 4 <= min_samples <= max_samples:
+            raise ValueError(f"need 4 <= min_samples <= max_samples, got {min_samples}, {max_samples}")
+        self.min_samples, self.max_samples = min_samples, max_samples
+        self.default = default or CostModel()
+        self.samples: list[tuple[PieceStats, float]] = []
+        self._fitted: CostModel | None = None
+
+    def observe(self, stats: PieceStats, seconds: float, group=None) -> None:
+        """Add this rank's step (its pieces' summed shape and measured seconds); a collective when
+        ``torch.distributed`` is initialised: every rank of ``group`` calls it once per step."""
+        import torch.distributed as dist
+
+        mine = (stats.features(), float(seconds))
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            gathered: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, mine, group=group)
+        else:
+            gathered = [mine]
+        self.samples.extend((PieceStats(*f), s) for f, s in gathered)
+        del self.samples[: -self.max_samples]
+        self._fitted = None
+
+    @property
+    def fitted(self) -> bool:
+        """Whether :attr:`model` is fitted to samples (else it is ``default``)."""
+        return self.model is not self.default
+
+    @property
+    def model(self) -> CostModel:
+        """The model fitted to the kept samples, or ``default`` before ``min_samples``."""
+        if self._fitted is None:
+            self._fitted = self.default
+            if len(self.samples) >= self.min_samples:
+                try:
+                    fit = CostModel.fit([s for s, _ in self.samples], [t for _, t in self.samples])
+                    if fit.predict(PieceStats(1.0, 1.0, 1.0, 1.0)) > 0:  # all-zero: no signal yet
+                        self._fitted = fit
+                except ValueError:
+                    pass
+        return self._fitted

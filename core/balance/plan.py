@@ -30,7 +30,7 @@ import torch
 from ..tree import PrefixForest
 from .cost import CostModel, PieceStats
 
-__all__ = ["BalancePlan", "Tree", "balance", "evaluate", "rows_bound", "trees_of_forest"]
+__all__ = ["BalancePlan", "Tree", "balance", "evaluate", "forest_stats", "rows_bound", "trees_of_forest"]
 
 #: A tree costing more than this fraction of a rank's fair share is cut into pieces.
 SPLIT_SHARE = 1.0
@@ -108,6 +108,14 @@ def trees_of_forest(forest: PrefixForest) -> list[Tree]:
         trees[t].ids.append(s)
         trees[t].paths.append([local[n][1] for n in path])
     return trees
+
+
+def forest_stats(forest: PrefixForest) -> PieceStats:
+    """The summed shape of a whole forest (what a rank training it computes)."""
+    total = PieceStats()
+    for tree in trees_of_forest(forest):
+        total = total + tree.stats()
+    return total
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from forkrl.core.balance import Rebalanced, rebalance
+from forkrl.core.balance import CostModel, Rebalanced, rebalance
 
 __all__ = ["balance_window", "unsafe_reason"]
 
@@ -90,11 +90,12 @@ def _collate(rows: list[dict[str, torch.Tensor]], pad_id: int, device) -> dict[s
 
 
 def balance_window(
-    window: list[tuple[dict, Any]], pad_id: int, device
+    window: list[tuple[dict, Any]], pad_id: int, device, model: CostModel | None = None
 ) -> tuple[list[tuple[dict, Any]], Rebalanced]:
     """This rank's window after rebalancing: micro-batches of the original sizes, each keeping its
-    own non-row entries (``num_items_in_batch``, ...), filled with the rows the plan gives this rank."""
-    result = rebalance(_rows(window), _sequence)
+    own non-row entries (``num_items_in_batch``, ...), filled with the rows the plan gives this rank
+    (priced by ``model``: the trainer's cost model fitted to its steps so far)."""
+    result = rebalance(_rows(window), _sequence, model)
     out, start = [], 0
     for inputs, num_items in window:
         size = inputs["completion_ids"].shape[0]

@@ -33,6 +33,7 @@ from trl import GRPOTrainer as _TRLGRPOTrainer
 from trl import RLOOTrainer as _TRLRLOOTrainer
 
 from forkrl.core import RowLayout, TreeStep, UnsupportedModelError
+from forkrl.core.balance import OnlineCostModel, forest_stats
 from forkrl.core.executor import RouterLoss
 from forkrl.core.speculative import SelfSpeculativeRollout
 from forkrl.core.speculative.vllm_engine import spec_decode_metrics
@@ -95,6 +96,7 @@ class TreeTrainingMixin:
         self._tree_leaves: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
         self._tree_step: TreeStep | None = None
         self._tree_balance = False
+        self._cost_model = OnlineCostModel()
         self._spec_rollout: SelfSpeculativeRollout | None = None
         self._spec_vllm = bool(config.speculative_rollout and config.use_vllm)
         self._spec_warned = False
@@ -322,7 +324,8 @@ class TreeTrainingMixin:
         balanced = None
         if self._tree_balance:
             device = window[0][0]["completion_ids"].device
-            window, balanced = balance_window(window, self._tokenizer.pad_token_id or 0, device)
+            model_cost = self._cost_model.model
+            window, balanced = balance_window(window, self._tokenizer.pad_token_id or 0, device, model_cost)
         layouts = []
         for inputs, _ in window:
             present = [k for k in _MULTIMODAL_KEYS if inputs.get(k) is not None]
@@ -371,6 +374,9 @@ class TreeTrainingMixin:
             sink = compat.metrics(self, "train")
             for key, value in balanced.metrics().items():
                 sink[key].append(value)
+            sink["tree/balance_cost_fitted"].append(float(self._cost_model.fitted))
+            # Every rank's shape and time of this step: the next plans are priced by the refitted model.
+            self._cost_model.observe(forest_stats(result.forest), result.metrics.backward_time)
         return result.loss
 
     def _scale_like_training_step(self, loss: torch.Tensor, num_items) -> torch.Tensor:

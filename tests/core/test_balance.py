@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from forkrl.core import PrefixForest, RowLayout, TreeOptions, TreeStep
-from forkrl.core.balance import CostModel, PieceStats, balance, evaluate, trees_of_forest
+from forkrl.core.balance import (
+    CostModel,
+    OnlineCostModel,
+    PieceStats,
+    balance,
+    evaluate,
+    forest_stats,
+    trees_of_forest,
+)
 from forkrl.core.testing import Float64Mode
 from forkrl.core.testing.models import grads, max_rel_err, tiny_causal_lm
 
@@ -151,3 +159,29 @@ def test_bounds_hold_against_the_brute_force_optimum():
     assert plan.lower_bound <= best + 1e-9 and rows_bound(trees, model, 4) <= best + 1e-9
     assert plan.makespan >= best - 1e-9
     assert plan.makespan <= 1.25 * best
+
+
+def test_online_cost_model_fits_the_steps_seen():
+    """Before min_samples: the default model; then the least-squares fit of the newest samples (a known
+    linear model is recovered); forest_stats is the forest's own token count."""
+    truth = CostModel(per_token=2e-4, per_attended=3e-8, per_unit=1e-3, per_scored=5e-5)
+    online = OnlineCostModel(min_samples=6, max_samples=10)
+    assert online.model is online.default and not online.fitted
+    rng = random.Random(0)
+    for i in range(12):
+        stats = PieceStats(
+            rng.uniform(1e3, 9e3), rng.uniform(1e5, 9e6), rng.randint(2, 40), rng.uniform(1e2, 4e3)
+        )
+        online.observe(stats, truth.predict(stats))
+        assert online.fitted == (i + 1 >= 6)
+    assert len(online.samples) == 10  # the newest max_samples
+    for name in ("per_token", "per_attended", "per_unit", "per_scored"):
+        assert getattr(online.model, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
+    idle = OnlineCostModel(min_samples=4)
+    for _ in range(5):
+        idle.observe(PieceStats(10, 10, 1, 1), 0.0)  # no signal: stays on the default
+    assert not idle.fitted
+    with pytest.raises(ValueError, match="min_samples"):
+        OnlineCostModel(min_samples=2)
+    forest = PrefixForest.build(*_grpo(3, 4))
+    assert forest_stats(forest).tokens == forest.unique_tokens
