@@ -19,6 +19,7 @@ from typing import Any
 
 from forkrl.core.options import add_arguments
 from forkrl.core.speculative import SpeculativeOptions
+from forkrl.core.speculative.vllm_engine import check_engine_policy
 from forkrl.core.train import TreeOptions
 
 __all__ = ["FLAG_PREFIX", "ForkrlOptions", "check_host_args", "flag_parser", "options_from", "parse_flags"]
@@ -141,8 +142,6 @@ def check_host_args(args: Any, options: ForkrlOptions) -> None:
 
 
 def _check_speculative_args(args: Any, options: ForkrlOptions) -> None:
-    from forkrl.core.speculative.vllm_engine import check_engine_policy
-
     if (_get(args, "vllm.num_engines", 0) or 0) < 1:
         raise ValueError(
             "--forkrl.speculative_rollout drafts inside OpenRLHF's vLLM engines: set --vllm.num_engines >= 1, or drop it"

@@ -19,6 +19,7 @@ from trl import GRPOConfig as _TRLGRPOConfig
 from trl import RLOOConfig as _TRLRLOOConfig
 
 from forkrl.core.speculative import SpeculativeOptions
+from forkrl.core.speculative.vllm_engine import check_engine_policy
 from forkrl.core.train import TreeOptions
 
 __all__ = ["FORKRL_FIELDS", "ForkrlOptions", "GRPOConfig", "RLOOConfig"]
@@ -66,8 +67,6 @@ class ForkrlOptions(TreeOptions, SpeculativeOptions):
         if getattr(self, "use_vllm", False):
             # vLLM drafts with forkrl's quantized policy; its draft lengths are fixed when the engine starts,
             # from forkrl's cost model only where the trainer builds the engine (colocate).
-            from forkrl.core.speculative.vllm_engine import check_engine_policy
-
             check_engine_policy(
                 self,
                 calibrates=self.vllm_mode == "colocate",

@@ -21,6 +21,7 @@ import logging
 import re
 import urllib.request
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 from torch import nn
@@ -88,13 +89,8 @@ def prometheus_counters(text: str) -> dict[str, float]:
     for line in text.splitlines():
         m = _PROM_LINE.match(line.strip())
         if m:
-            metrics.append(_Metric(m.group(1), float(m.group(2))))
+            metrics.append(SimpleNamespace(name=m.group(1), value=float(m.group(2))))
     return spec_counters(metrics)
-
-
-class _Metric:
-    def __init__(self, name: str, value: float) -> None:
-        self.name, self.value = name, value
 
 
 def counters(generation: Any) -> dict[str, float] | None:

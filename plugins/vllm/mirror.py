@@ -81,7 +81,7 @@ class DrafterMirror:
             source = targets.get(name)
             if hasattr(method, "requantize"):
                 weight = getattr(source, "weight", None)
-                shape = _dense_shape(module)
+                shape = method.dense_shape(module)
                 if (
                     not isinstance(weight, torch.Tensor)
                     or not weight.is_floating_point()
@@ -156,13 +156,6 @@ class DrafterMirror:
             dst.copy_(src)
         self.stale = False
         self.syncs += 1
-
-
-def _dense_shape(module: nn.Module) -> tuple[int, ...]:
-    if module.forkrl_dense:
-        return tuple(module.weight.shape)
-    q = module.__dict__["_forkrl_quant"]
-    return (q.out_features, q.in_features)
 
 
 def _describe(t: Any) -> str:

@@ -138,6 +138,13 @@ class ForkrlRTNLinearMethod(LinearMethodBase):
         else:
             layer.__dict__[_HOLDER].load_(weight)
 
+    def dense_shape(self, layer: torch.nn.Module) -> tuple[int, int]:
+        """``(N, K)`` of the dense weight the layer was loaded with (what :meth:`requantize` takes)."""
+        if layer.forkrl_dense:
+            return tuple(layer.weight.shape)
+        q = layer.__dict__[_HOLDER]
+        return (q.out_features, q.in_features)
+
     def dequantized(self, layer: torch.nn.Module) -> torch.Tensor:
         """The weight the layer computes with, ``[N, K]`` (for tests)."""
         if layer.forkrl_dense:
