@@ -83,6 +83,9 @@ __all__ = [
     "set_tensor",
     "store_conv_state",
     "store_recurrent_state",
+    "engine_hooks_of",
+    "is_zero3_param",
+    "whole_shape",
 ]
 
 #: The versions every entry below was read from and tested against.
@@ -641,6 +644,38 @@ def reduce_scatter_like(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor
     mesh = param.device_mesh
     partial = DTensor.from_local(grad, mesh, [Partial()] * mesh.ndim, run_check=False)
     return partial.redistribute(mesh, param.placements)
+
+
+# ---------------------------------------------------------------------------- DeepSpeed ZeRO-3
+# Read by attribute only (core imports no host library): the gather itself is the plugin's
+# (forkrl.plugins.deepspeed), whose contract test checks these attributes on real partitions.
+
+
+def is_zero3_param(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a DeepSpeed ZeRO-3 partitioned parameter."""
+    return hasattr(p, "ds_id")
+
+
+def whole_shape(p: torch.Tensor) -> torch.Size:
+    """The parameter's whole shape (a ZeRO-3 partition's ``ds_shape``, else its own)."""
+    shape = getattr(p, "ds_shape", None)
+    return p.shape if shape is None else torch.Size(shape)
+
+
+def engine_hooks_of(module: nn.Module, package: str) -> list[tuple[dict, object]]:
+    """The forward/backward hooks on ``module`` and its submodules registered by code of
+    ``package`` (e.g. DeepSpeed's ZeRO-3 gather hooks), as ``(hook dict, key)`` pairs."""
+    found = []
+    for sub in module.modules():
+        for attr in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"):
+            hooks = getattr(sub, attr, None) or {}
+            for key, fn in hooks.items():
+                owner = getattr(fn, "__module__", None) or getattr(
+                    getattr(fn, "func", None), "__module__", ""
+                )
+                if (owner or "").split(".")[0] == package:
+                    found.append((hooks, key))
+    return found
 
 
 def set_tensor(module: nn.Module, name: str, value: torch.Tensor, parameter: bool) -> None:

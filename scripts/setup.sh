@@ -143,9 +143,28 @@ run_bg() {
     pids+=($!)
 }
 
+# build_deepspeed_ops DIR: DeepSpeed compiles its CPU shared-memory collective op the first time a
+# process group starts (about a minute); compile it here, beside the other installs, into DIR's cache
+# (scripts/test.sh points TORCH_EXTENSIONS_DIR there). Idempotent: a cached build only loads.
+build_deepspeed_ops() {
+    local py="$root/$1/bin/python"
+    TORCH_EXTENSIONS_DIR="$root/$1/torch_extensions" "$py" -c '
+from deepspeed.accelerator import get_accelerator
+builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+if builder is not None:
+    builder.load(verbose=False)' >/dev/null 2>&1 || say "$1: DeepSpeed CPU op not prebuilt (tests build it on first use)"
+    say "$1: DeepSpeed CPU op ready"
+}
+
+dev_env() {
+    setup_env .venv ".[dev]" test
+    build_deepspeed_ops .venv
+}
+
 openrlhf_env() {
     setup_env .venv-openrlhf ".[openrlhf]" test pytest
     setup_openrlhf
+    build_deepspeed_ops .venv-openrlhf
 }
 
 if [ "$mode" = run ]; then
@@ -153,7 +172,7 @@ if [ "$mode" = run ]; then
 else
     # The environments are independent and their installs wait on downloads more than on the CPU:
     # build them side by side, and fail when any of them fails.
-    run_bg .venv setup_env .venv ".[dev]" test
+    run_bg .venv dev_env
     run_bg .venv-verl setup_env .venv-verl ".[verl]" test pytest
     run_bg .venv-openrlhf openrlhf_env
     failed=0

@@ -20,9 +20,11 @@ run() {  # run LABEL PYTHON ARGS...
     [ "$rc" -eq 0 ] || status=1
 }
 
-run "core + TRL" .venv/bin/python "$@"
+# DeepSpeed compiles a CPU op on first use (about a minute; scripts/setup.sh prebuilds it): each
+# environment keeps it in its own cache.
+TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}" \
+    run "core + TRL" .venv/bin/python "$@"
 run "veRL" .venv-verl/bin/python tests/verl
-# DeepSpeed compiles a CPU op on first use (about a minute): cache it with the environment.
 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv-openrlhf/torch_extensions}" \
     run "OpenRLHF" .venv-openrlhf/bin/python tests/openrlhf
 exit "$status"

@@ -9,7 +9,7 @@
 
 from .distributed import all_ok, all_reduce_gradients, world_size
 from .options import DEFAULT_BLOCK_SIZE, TREE_MODES, TreeMode, TreeOptions
-from .sharded import AliasReplica, FSDP2Replica, is_fsdp2
+from .sharded import AliasReplica, FSDP2Replica, Gather, is_fsdp2, is_zero3
 from .step import MODE_CODES, StepMetrics, StepResult, TreeStep
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "MODE_CODES",
     "TREE_MODES",
     "StepMetrics",
+    "Gather",
     "StepResult",
     "TreeMode",
     "TreeOptions",
@@ -26,5 +27,6 @@ __all__ = [
     "all_ok",
     "all_reduce_gradients",
     "is_fsdp2",
+    "is_zero3",
     "world_size",
 ]

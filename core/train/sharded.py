@@ -1,10 +1,14 @@
 """Tree steps under a sharded engine: gather once, run the tree on a plain replica, reduce once.
 
 Two replicas: :class:`FSDP2Replica` for FSDP2 (below), and :class:`AliasReplica` for engines that
-keep whole parameters on every rank but reduce gradients through hooks on them (DeepSpeed ZeRO
-stages 0-2): its parameters alias the model's storage, so the tree's many backwards accumulate into
-the replica's own gradients, and one backward of :meth:`AliasReplica.gradient_surrogate` through the
-engine then hands the step's gradient over (the engine's own scaling, hooks and reductions, once).
+reduce gradients through hooks on the parameters (DeepSpeed ZeRO stages 0-3): its parameters alias
+the model's storage, so the tree's many backwards accumulate into the replica's own gradients, and
+one backward of :meth:`AliasReplica.gradient_surrogate` through the engine then hands the step's
+gradient over (the engine's own scaling, hooks and reductions, once). Under ZeRO-3, whose parameters
+are partitions, :meth:`AliasReplica.whole` all-gathers every partition once for the step (in
+``ds_id`` order, the same on every rank) and the surrogate's backward runs inside it, so a step is
+one all-gather and the engine's one reduce-scatter, against stock ZeRO-3's two all-gathers (forward,
+backward) and one reduce-scatter per micro-batch.
 
 A sharded engine (PyTorch FSDP2's ``fully_shard``) all-gathers each layer's parameters in every
 forward and reduce-scatters its gradients in backward, through hooks that every rank must run in
@@ -31,9 +35,10 @@ that are refused by the memory itself (an out-of-memory error), not silently cha
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 from torch import nn
@@ -41,7 +46,15 @@ from torch import nn
 from .. import compat
 from .distributed import world_size
 
-__all__ = ["AliasReplica", "FSDP2Replica", "is_fsdp2"]
+__all__ = ["AliasReplica", "FSDP2Replica", "Gather", "is_fsdp2", "is_zero3"]
+
+#: An engine's context that makes a list of partitioned parameters whole for its duration.
+Gather = Callable[[list[torch.Tensor]], AbstractContextManager]
+
+
+def is_zero3(model: nn.Module) -> bool:
+    """Whether ``model``'s parameters are DeepSpeed ZeRO-3 partitions."""
+    return any(compat.is_zero3_param(p) for p in model.parameters())
 
 
 def is_fsdp2(model: nn.Module) -> bool:
@@ -141,33 +154,79 @@ class AliasReplica:
     backwards. The step's gradient is then handed to the engine with one backward of
     :meth:`gradient_surrogate` through the engine's own ``backward``.
 
+    Under DeepSpeed ZeRO-3 (partitioned parameters), :meth:`whole` gathers them with ``gather`` and
+    DeepSpeed's own gather hooks are left off the replica (nothing collective runs in a unit).
+
     Args:
-        model: the module the engine trains (a transformers causal LM, a PEFT model, ...), with
-            whole (unpartitioned) parameters.
+        model: the module the engine trains (a transformers causal LM, a PEFT model, ...): whole
+            parameters, or ZeRO-3 partitions.
         accumulate_dtype: accumulate the tree's gradient in this dtype where parameters are of a
             narrower floating dtype (e.g. ``torch.float32`` for bf16 parameters, as DeepSpeed
             accumulates micro-batches in fp32): each unit's gradient is added to an fp32 buffer as
             autograd produces it, so the step's gradient is rounded to the parameter dtype once, in
             the surrogate's backward, instead of once per unit. None: the parameter dtype.
+        gather: for partitioned parameters, the engine's context that makes a list of them whole
+            (one collective, the same on every rank) and partitions them again on exit, e.g.
+            :func:`forkrl.plugins.deepspeed.gathered` (core imports no engine).
+
+    Raises:
+        ValueError: for a model with ZeRO-3 partitions and no ``gather``.
     """
 
-    def __init__(self, model: nn.Module, accumulate_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, accumulate_dtype: torch.dtype | None = None, gather: Gather | None = None
+    ) -> None:
         self.model = model
         self.accumulate_dtype = accumulate_dtype
         self.locations = list(model.named_parameters(remove_duplicate=False))
         memo: dict[int, object] = {id(b): b for _, b in model.named_buffers(remove_duplicate=False)}
         for _, p in self.locations:
+            shape = compat.whole_shape(p)
             memo.setdefault(
-                id(p), nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
+                id(p), nn.Parameter(torch.empty(shape, dtype=p.dtype, device="meta"), p.requires_grad)
             )
         self._placeholders = {name: memo[id(p)] for name, p in self.locations}
+        self.partitioned = list({id(p): p for _, p in self.locations if compat.is_zero3_param(p)}.values())
+        if self.partitioned and gather is None:
+            raise ValueError(
+                f"{type(model).__name__}'s parameters are DeepSpeed ZeRO-3 partitions: pass gather= (the engine's "
+                "gathering context, forkrl.plugins.deepspeed.gathered) so the tree step can make them whole"
+            )
+        self.gather = gather
         self.replica = copy.deepcopy(model, memo)
+        for sub in self.replica.modules():
+            # A host's forward patched onto an instance (TRL's fused LM head) closes over the
+            # original module, whose forward would run the engine's hooks: the class's own forward.
+            vars(sub).pop("forward", None)
+        # DeepSpeed's per-module ZeRO-3 gather/release hooks would fetch and free the model's partitions.
+        for hooks, key in compat.engine_hooks_of(self.replica, "deepspeed"):
+            del hooks[key]
         self.grads: dict[int, torch.Tensor] = {}
+        self._whole_depth = 0
+
+    @contextmanager
+    def whole(self) -> Iterator[None]:
+        """ZeRO-3: every partitioned parameter all-gathered once for the context, partitioned again
+        on exit (re-entrant: only the outermost context gathers). Otherwise nothing happens.
+
+        Step the engine's optimizer outside it: a step inside would update the partitions under
+        whole copies that the exit then discards, or that a later forward reads stale."""
+        outer = self._whole_depth == 0 and bool(self.partitioned)
+        self._whole_depth += 1
+        try:
+            with self.gather(self.partitioned) if outer else contextlib.nullcontext():
+                yield
+        finally:
+            self._whole_depth -= 1
 
     @contextmanager
     def gathered(self, grad: bool) -> Iterator[nn.Module]:
         """The replica holding the model's parameters (aliased); with ``grad``, their gradients
         are kept in :attr:`grads` (by parameter id) on exit."""
+        with self.whole():
+            yield from self._aliased(grad)
+
+    def _aliased(self, grad: bool) -> Iterator[nn.Module]:
         aliases: dict[int, nn.Parameter] = {}
         wide: dict[int, torch.Tensor] = {}
         hooks = []
@@ -217,7 +276,22 @@ class AliasReplica:
         Backward it through the engine (``engine.backward(surrogate)``) to give the engine the tree
         step's gradient as if the host's own backward had produced it. A gradient kept in a wider
         dtype (``accumulate_dtype``) is rounded to the parameter's dtype there, once.
+
+        Under ZeRO-3 the surrogate reaches the parameters only inside :meth:`whole` (their
+        gradients must have the whole shape); ``zero`` there gives a scalar that reaches no
+        parameter at all (the engine's backward runs, reduces nothing, and keeps what it holds).
+
+        Raises:
+            RuntimeError: for a ZeRO-3 model outside :meth:`whole` (with gradients to hand over).
         """
+        if self.partitioned and zero:
+            device = getattr(self.partitioned[0], "ds_tensor", self.partitioned[0]).device
+            return torch.zeros((), device=device, requires_grad=True) * 1.0
+        if self.partitioned and self._whole_depth == 0:
+            raise RuntimeError(
+                "AliasReplica.gradient_surrogate: this model's parameters are ZeRO-3 partitions; build and "
+                "backward the surrogate inside AliasReplica.whole() so its gradients have the whole shape"
+            )
         terms = []
         seen: set[int] = set()
         for _, p in self.locations:

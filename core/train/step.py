@@ -34,7 +34,7 @@ from ..objective import LossGradient, Quiet, WindowLoss, WindowResult, backward_
 from ..tree import PrefixForest, RowLayout, Window
 from .distributed import all_ok, all_reduce_gradients, reduce_stats
 from .options import TreeOptions
-from .sharded import FSDP2Replica, is_fsdp2
+from .sharded import AliasReplica, FSDP2Replica, Gather, is_fsdp2, is_zero3
 
 __all__ = ["MODE_CODES", "StepMetrics", "StepResult", "TreeStep"]
 
@@ -112,15 +112,21 @@ class TreeStep:
     Args:
         options: the tree options (a :class:`TreeOptions` or a host config inheriting them).
         temperature: the host's sampling temperature (logits are divided by it).
+        gather: the engine's context that makes partitioned parameters whole (DeepSpeed ZeRO-3:
+            :func:`forkrl.plugins.deepspeed.gathered`), for scoring such a model; see
+            :class:`AliasReplica`.
         **executor_kwargs: further :class:`TreeExecutor` arguments (``head_chunk_elems``, ...).
     """
 
-    def __init__(self, options: TreeOptions, temperature: float = 1.0, **executor_kwargs) -> None:
+    def __init__(
+        self, options: TreeOptions, temperature: float = 1.0, gather: Gather | None = None, **executor_kwargs
+    ) -> None:
         self.options = options.tree_options()
+        self.gather = gather
         self.temperature = temperature
         self.executor_kwargs = executor_kwargs
         self._executors: dict[tuple[int, str], tuple[weakref.ref, TreeExecutor]] = {}
-        self._replicas: dict[int, FSDP2Replica] = {}
+        self._replicas: dict[int, FSDP2Replica | AliasReplica] = {}
         self.fused_ok = True
         self._score_time = 0.0
 
@@ -143,13 +149,15 @@ class TreeStep:
         if self.options.tree_mode == "packed":
             self.executor(target, "packed")
 
-    def _replica(self, model: nn.Module) -> FSDP2Replica | None:
-        """The gathered replica of an FSDP2-sharded model (built once), or None for a plain one."""
-        if not is_fsdp2(model):
+    def _replica(self, model: nn.Module) -> FSDP2Replica | AliasReplica | None:
+        """The gathered replica of an FSDP2-sharded or ZeRO-3-partitioned model (built once), or
+        None for a plain one."""
+        if not (is_fsdp2(model) or is_zero3(model)):
             return None
         entry = self._replicas.get(id(model))
         if entry is None or entry.model is not model:
-            entry = self._replicas[id(model)] = FSDP2Replica(model)
+            built = FSDP2Replica(model) if is_fsdp2(model) else AliasReplica(model, gather=self.gather)
+            entry = self._replicas[id(model)] = built
         return entry
 
     @staticmethod
@@ -257,6 +265,12 @@ class TreeStep:
         mode = self.options.mode_for(max(forest.lengths), gradient_checkpointing)
         path = "general" if loss_gradient == "constant" and not self.fused_ok else loss_gradient
         replica = self._replica(model)
+        if isinstance(replica, AliasReplica):
+            raise ValueError(
+                "TreeStep.train: this model's parameters are DeepSpeed ZeRO-3 partitions, whose gradients only "
+                "the engine reduces: train AliasReplica(model).gathered(grad=True)'s replica inside "
+                "AliasReplica.whole() and backward its gradient_surrogate() through the engine there"
+            )
         # Under FSDP2 the step runs on a gathered plain replica, which reduces its gradients on exit.
         with replica.gathered(grad=True) if replica is not None else contextlib.nullcontext(model) as target:
             executor = self.executor(target, mode)

@@ -19,16 +19,12 @@ from openrlhf.trainer.ray.ppo_actor import PolicyModelActor as _HostPolicy
 
 from forkrl.core import TreeStep
 
+from ..deepspeed import gathered
 from . import compat
 from .options import options_from
 from .trainer import TreeActorPPOTrainer, score_log_probs, tree_module
 
 __all__ = ["PolicyModelActor", "ReferenceModelActor", "TreePolicyModelActor", "TreeReferenceModelActor"]
-
-
-def _scorable(module: torch.nn.Module) -> bool:
-    """Whole parameters (not ZeRO-3 partitions, which the tree scorer does not gather)."""
-    return not compat.is_partitioned(module)
 
 
 class TreePolicyModelActor(_HostPolicy.__ray_actor_class__):
@@ -49,7 +45,7 @@ class TreePolicyModelActor(_HostPolicy.__ray_actor_class__):
         """Old-policy action log-probs ``[B, num_actions]``: tree-scored with tree training on."""
         tree = getattr(self.trainer, "tree_step", None)
         module = tree_module(self.actor)
-        if tree is None or mm_train_inputs_list or action_mask is None or not _scorable(module):
+        if tree is None or mm_train_inputs_list or action_mask is None:
             return super().forward(
                 sequences, action_mask, attention_mask, packed_seq_lens, mm_train_inputs_list
             )
@@ -66,7 +62,7 @@ class TreeReferenceModelActor(_HostReference.__ray_actor_class__):
         super().init_model_from_pretrained(strategy, pretrain, *args, **kwargs)
         options = options_from(strategy.args)
         self.tree_step = (
-            TreeStep(options, temperature=float(getattr(self.model, "temperature", 1.0)))
+            TreeStep(options, temperature=float(getattr(self.model, "temperature", 1.0)), gather=gathered)
             if options.tree_enabled
             else None
         )
@@ -83,13 +79,7 @@ class TreeReferenceModelActor(_HostReference.__ray_actor_class__):
         """Reference action log-probs ``[B, num_actions]``: tree-scored with tree training on."""
         tree = getattr(self, "tree_step", None)
         module = tree_module(self.model)
-        if (
-            tree is None
-            or return_output
-            or mm_train_inputs_list
-            or action_mask is None
-            or not _scorable(module)
-        ):
+        if tree is None or return_output or mm_train_inputs_list or action_mask is None:
             return super().forward(
                 sequences, action_mask, attention_mask, return_output, packed_seq_lens, mm_train_inputs_list
             )

@@ -27,7 +27,6 @@ __all__ = [
     "Private",
     "check",
     "engine_of",
-    "is_partitioned",
     "swapped",
     "zero_stage",
 ]
@@ -105,11 +104,6 @@ def swapped(module: ModuleType | str, **names: Any) -> Iterator[None]:
 def engine_of(actor: torch.nn.Module) -> Any:
     """The DeepSpeed engine inside an OpenRLHF ``Actor`` (``strategy.prepare`` sets ``actor.model``)."""
     return actor.model
-
-
-def is_partitioned(module: torch.nn.Module) -> bool:
-    """Whether ``module``'s parameters are ZeRO-3 partitions (DeepSpeed marks them ``ds_status``)."""
-    return any(hasattr(p, "ds_status") for p in module.parameters())
 
 
 def zero_stage(engine: Any) -> int:

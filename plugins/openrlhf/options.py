@@ -22,7 +22,15 @@ from forkrl.core.speculative import SpeculativeOptions
 from forkrl.core.speculative.vllm_engine import check_engine_policy
 from forkrl.core.train import TreeOptions
 
-__all__ = ["FLAG_PREFIX", "ForkrlOptions", "check_host_args", "flag_parser", "options_from", "parse_flags"]
+__all__ = [
+    "FLAG_PREFIX",
+    "ForkrlOptions",
+    "balance_setting",
+    "check_host_args",
+    "flag_parser",
+    "options_from",
+    "parse_flags",
+]
 
 FLAG_PREFIX = "--forkrl."
 
@@ -90,6 +98,20 @@ def _get(args: Any, path: str, default: Any = None) -> Any:
     return node
 
 
+def _balance_unsafe(args: Any) -> str | None:
+    """Why moving a window's rows between ranks would change OpenRLHF's update (None: it would not)."""
+    if bool(_get(args, "train.dynamic_batch_enable", False)):
+        return "--train.dynamic_batch_enable gives every rank its own window lengths"
+    if float(_get(args, "actor.aux_loss_coef", 0.0) or 0.0) > 0:
+        return "the MoE router load-balancing loss (--actor.aux_loss_coef) averages expert loads over each micro-batch"
+    return None
+
+
+def balance_setting(args: Any, options: ForkrlOptions, world: int) -> bool:
+    """Whether each optimizer step's rows are rebalanced over the ``world`` data-parallel ranks."""
+    return options.tree_balance != "off" and world > 1 and _balance_unsafe(args) is None
+
+
 def check_host_args(args: Any, options: ForkrlOptions) -> None:
     """Refuse OpenRLHF settings that tree training or the vLLM drafter cannot serve (before anything starts).
 
@@ -102,11 +124,6 @@ def check_host_args(args: Any, options: ForkrlOptions) -> None:
         return
     flag = "--forkrl.tree_packing" if options.tree_packing else "--forkrl.long_context_replay"
     refusals = [
-        (
-            _get(args, "ds.zero_stage", 2) == 3,
-            "--ds.zero_stage 3 partitions the parameters, which forkrl's tree step does not gather yet: use "
-            "--ds.zero_stage 2 (or 1, 0)",
-        ),
         (
             (_get(args, "ds.ring_attn_size", 1) or 1) > 1,
             "--ds.ring_attn_size > 1 splits each sequence over ranks: use --ds.ring_attn_size 1 (for long sequences "
@@ -122,8 +139,8 @@ def check_host_args(args: Any, options: ForkrlOptions) -> None:
             "--train.dynamic_batch_enable with --ds.zero_stage 1/2: OpenRLHF then runs DeepSpeed with "
             "gradient_accumulation_steps=1 and steps once per window, and DeepSpeed 0.19's ZeRO-1/2 keeps only the "
             "last backward's gradient before a step, so stock OpenRLHF drops all but each step's last micro-batch "
-            "and no tree step can equal that: use fixed micro-batches (drop --train.dynamic_batch_enable) or "
-            "--ds.zero_stage 0",
+            "and no tree step can equal that: use fixed micro-batches (drop --train.dynamic_batch_enable), "
+            "--ds.zero_stage 3 or --ds.zero_stage 0",
         ),
         (
             _get(args, "ds.param_dtype", "bf16") == "fp16",
@@ -131,9 +148,9 @@ def check_host_args(args: Any, options: ForkrlOptions) -> None:
             "outside DeepSpeed: use --ds.param_dtype bf16",
         ),
         (
-            options.tree_balance == "on",
-            "--forkrl.tree_balance on: OpenRLHF's plugin does not move rows between ranks yet (TRL's does): drop "
-            "it (the default, auto, leaves OpenRLHF's own split)",
+            options.tree_balance == "on" and _balance_unsafe(args) is not None,
+            f"--forkrl.tree_balance on would change the update: {_balance_unsafe(args)}; use --forkrl.tree_balance "
+            "auto (which leaves the rows in place there) or off",
         ),
     ]
     for refused, why in refusals:

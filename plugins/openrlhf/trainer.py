@@ -11,12 +11,18 @@ and :class:`forkrl.core.train.TreeStep` trains it:
   replaced by the tree's log-probs/entropies (leaves, ``[B, num_actions]``) and ``strategy.backward``
   capturing the loss instead of running it (``PolicyLoss``, KL, entropy, ``aggregate_loss``, the
   window's normalisers, its metrics: all unchanged);
-- the tree runs on an :class:`~forkrl.core.train.AliasReplica` of the DeepSpeed module (ZeRO 0-2:
-  whole parameters, aliased), so DeepSpeed's gradient hooks do not fire during the tree's many
-  backwards; then each micro-batch's ``training_step`` call backs a surrogate through DeepSpeed's own
-  ``engine.backward`` (the window's gradient at the first, zero at the others, so DeepSpeed's loss
-  scaling by ``1 / accumulated_gradient``, reduction and accumulation boundary run as in stock) and
-  steps exactly where stock steps.
+- the tree runs on an :class:`~forkrl.core.train.AliasReplica` of the DeepSpeed module (its
+  parameters aliased: whole under ZeRO 0-2, gathered once for the window under ZeRO-3), so
+  DeepSpeed's gradient hooks do not fire during the tree's many backwards; then each micro-batch's
+  ``training_step`` call backs a surrogate through DeepSpeed's own ``engine.backward`` (the window's
+  gradient at the first, zero at the others, so DeepSpeed's loss scaling by
+  ``1 / accumulated_gradient``, reduction and accumulation boundary run as in stock) and steps
+  exactly where stock steps. Under ZeRO-3 the first hand-over runs while the window's gather is
+  still open (one all-gather and one reduce-scatter per window), and the later ones reach no
+  parameter.
+
+With several data-parallel ranks (``--forkrl.tree_balance auto``, the default), each window's rows
+are first moved between the ranks by predicted tree cost (:mod:`forkrl.plugins.openrlhf.balance`).
 
 Old-policy and reference log-probs go through :func:`score_log_probs` (prefix-shared, no grad).
 """
@@ -35,11 +41,14 @@ from openrlhf.trainer.ray import ppo_actor
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
 from forkrl.core import RowLayout, TreeStep, UnsupportedModelError
+from forkrl.core.balance import OnlineCostModel, forest_stats
 from forkrl.core.executor import RouterLoss
 from forkrl.core.train import AliasReplica, world_size
 
+from ..deepspeed import gathered
 from . import compat
-from .options import check_host_args, options_from
+from .balance import balance_window
+from .options import balance_setting, check_host_args, options_from
 
 __all__ = ["TreeActorPPOTrainer", "score_log_probs", "tree_module"]
 
@@ -145,21 +154,19 @@ class TreeActorPPOTrainer(ActorPPOTrainer):
         self._statuses: list[dict] = []
         self._tree_metrics: dict[str, float] = {}
         self._replica: AliasReplica | None = None
+        self._handed_over = -1
+        self._balance = False
+        self._cost_model = OnlineCostModel()
         if self.tree_options.tree_enabled:
             check_host_args(strategy.args, self.tree_options)
             self.tree_step = TreeStep(
-                self.tree_options, temperature=float(getattr(actor, "temperature", 1.0))
+                self.tree_options, temperature=float(getattr(actor, "temperature", 1.0)), gather=gathered
             )
             self._check_setup()
+            self._balance = balance_setting(strategy.args, self.tree_options, world_size())
 
     def _check_setup(self) -> None:
         flag = "--forkrl.tree_packing" if self.tree_options.tree_packing else "--forkrl.long_context_replay"
-        engine = compat.engine_of(self.actor)
-        if compat.zero_stage(engine) >= 3:
-            raise ValueError(
-                f"{flag}: the actor's DeepSpeed engine runs ZeRO-3, whose partitioned parameters forkrl's tree step "
-                f"does not gather yet: use --ds.zero_stage 2 (or 1, 0), or train without {flag}"
-            )
         if getattr(self.actor, "is_vlm", False):
             raise ValueError(f"{flag} supports text-only causal LMs; this actor is a vision-language model")
         try:
@@ -226,6 +233,9 @@ class TreeActorPPOTrainer(ActorPPOTrainer):
         window = self._window
         for experience, _ in window:
             experience.to_device(device)
+        balanced = None
+        if self._balance:  # the window's rows over the ranks by tree cost (the same normalisers)
+            window, balanced = balance_window(window, device, self._cost_model.model)
         layouts = [_layout(e.sequences, e.action_mask, e.attention_mask) for e, _ in window]
         statuses: list[dict | None] = [None] * len(window)
         router = RouterLoss([self._router_weight(self._window_start + i) for i in range(len(window))])
@@ -248,24 +258,46 @@ class TreeActorPPOTrainer(ActorPPOTrainer):
 
         if self._replica is None or self._replica.model is not module:
             # DeepSpeed accumulates micro-batches in fp32 for bf16 parameters; the tree does too.
-            self._replica = AliasReplica(module, accumulate_dtype=torch.float32)
+            self._replica = AliasReplica(module, accumulate_dtype=torch.float32, gather=gathered)
         start = time.perf_counter()
-        with self._replica.gathered(grad=True) as plain:
-            result = self.tree_step.train(
-                plain,
-                layouts,
-                loss_fn,
-                loss_gradient="general",
-                entropy=self.args.actor.entropy_coef is not None,
-                gradient_checkpointing=bool(self.args.actor.gradient_checkpointing_enable),
-                lockstep=world_size() > 1,
-                device=device,
-                router=router,
-            )
+        # ZeRO-3: one all-gather for the window; the first micro-batch's hand-over (the window's
+        # gradient: DeepSpeed's one reduce-scatter) runs while the parameters are still whole.
+        with self._replica.whole():
+            with self._replica.gathered(grad=True) as plain:
+                result = self.tree_step.train(
+                    plain,
+                    layouts,
+                    loss_fn,
+                    loss_gradient="general",
+                    entropy=self.args.actor.entropy_coef is not None,
+                    gradient_checkpointing=bool(self.args.actor.gradient_checkpointing_enable),
+                    lockstep=world_size() > 1,
+                    device=device,
+                    router=router,
+                )
+            # forkrl's own collectives (metrics, cost samples) come before DeepSpeed's backward below:
+            # under ZeRO-3 its reduction may still be in flight when it returns, until the step, and a
+            # collective issued meanwhile was seen to read a half-reduced buffer (gloo, 2 ranks).
+            metrics = result.metrics.reduced(device).as_dict()
+            if balanced is not None:
+                metrics.update(balanced.metrics())
+                metrics["tree/balance_cost_fitted"] = float(self._cost_model.fitted)
+                # Every rank's shape and time of this step: the next plans are priced by the refitted model.
+                self._cost_model.observe(forest_stats(result.forest), result.metrics.backward_time)
+            self._handed_over = -1
+            if self._replica.partitioned:
+                self._hand_over(0)
         self._statuses = statuses
-        metrics = result.metrics.reduced(device).as_dict()
         metrics["tree/step_time"] = time.perf_counter() - start
         self._tree_metrics = metrics
+
+    def _hand_over(self, i: int) -> None:
+        """Micro-batch ``i``'s backward through DeepSpeed: the window's gradient at the first, zero
+        after (DeepSpeed scales each by ``1 / accumulated_gradient``, as stock's losses)."""
+        surrogate = self._replica.gradient_surrogate(zero=i > 0)
+        self.strategy.backward(surrogate, self.actor, self.actor_optim)
+        self._handed_over = i
+        self._replica.clear()  # the later micro-batches hand over zero
 
     def _router_weight(self, step: int) -> float:
         """What OpenRLHF's loss multiplies micro-batch ``step``'s router aux loss by."""
@@ -286,10 +318,8 @@ class TreeActorPPOTrainer(ActorPPOTrainer):
     def _finish(self, i: int, step: int) -> dict:
         """Micro-batch ``i``'s tail, as OpenRLHF's ``training_step`` ends: backward (the window's
         gradient at the first micro-batch, zero after), optimizer step, EMA, grad norm, metrics."""
-        surrogate = self._replica.gradient_surrogate(zero=i > 0)
-        self.strategy.backward(surrogate, self.actor, self.actor_optim)
-        if i == len(self._window) - 1:
-            self._replica.clear()
+        if self._handed_over < i:
+            self._hand_over(i)
         dynamic = self.args.train.dynamic_batch_enable
         is_step = not dynamic or bool(self.replay_buffer.dynamic_optimizer_step[step])
         if is_step:

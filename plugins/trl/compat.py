@@ -23,6 +23,8 @@ __all__ = [
     "add_step_time",
     "advance_micro_step",
     "check",
+    "deepspeed_config",
+    "deepspeed_engine",
     "metrics",
     "scratch_metrics",
     "sync_gradients",
@@ -269,6 +271,17 @@ def vllm_engine_kwargs(extra: Callable[[dict[str, Any]], dict[str, Any]]) -> Ite
             del vg.LLM
         else:
             vg.LLM = original
+
+
+def deepspeed_config(trainer: Any) -> dict[str, Any]:
+    """The DeepSpeed config accelerate built the trainer's engine from (``{}`` without DeepSpeed)."""
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    return dict(getattr(plugin, "deepspeed_config", None) or {})
+
+
+def deepspeed_engine(trainer: Any) -> Any:
+    """The DeepSpeed engine accelerate's ``backward`` drives (``DeepSpeedEngineWrapper.engine``)."""
+    return trainer.accelerator.deepspeed_engine_wrapped.engine
 
 
 def vllm_generation(trainer: Any) -> Any:

@@ -51,12 +51,6 @@ class ForkrlOptions(TreeOptions, SpeculativeOptions):
                 "tree_packing/long_context_replay do not support fp16 loss scaling (fp16=True): use bf16=True, or turn "
                 "tree training off"
             )
-        if self.deepspeed:
-            raise ValueError(
-                "tree_packing/long_context_replay with DeepSpeed is not supported yet (the tree pass computes gradients "
-                "outside the engine's hooks): use FSDP2 (fsdp=True, fsdp_config={'version': 2, ...}) or plain data "
-                "parallel (accelerate launch, DDP), or turn tree training off"
-            )
         if self.fsdp and (self.fsdp_config or {}).get("version", 1) != 2:
             raise ValueError(
                 "tree_packing/long_context_replay support FSDP2 only: set fsdp_config={'version': 2, ...} (FSDP1 wraps "

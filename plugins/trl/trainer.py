@@ -22,10 +22,11 @@ fused pass), how leaves reach its loss, its refusals, its metrics sink.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -37,8 +38,9 @@ from forkrl.core.balance import OnlineCostModel, forest_stats
 from forkrl.core.executor import RouterLoss
 from forkrl.core.speculative import SelfSpeculativeRollout
 from forkrl.core.speculative.vllm_engine import spec_decode_metrics
-from forkrl.core.train import StepMetrics, is_fsdp2
+from forkrl.core.train import AliasReplica, StepMetrics, StepResult, is_fsdp2
 
+from ..deepspeed import gathered as deepspeed_gathered
 from . import compat, vllm_speculative
 from .balance import balance_window, unsafe_reason
 from .config import FORKRL_FIELDS, GRPOConfig, RLOOConfig
@@ -95,6 +97,9 @@ class TreeTrainingMixin:
         self._tree_window: list[tuple[dict[str, Any], Any]] = []
         self._tree_leaves: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
         self._tree_step: TreeStep | None = None
+        self._engine_replica: AliasReplica | None = (
+            None  # DeepSpeed: the tree's replica, its gradient handed over
+        )
         self._tree_balance = False
         self._cost_model = OnlineCostModel()
         self._spec_rollout: SelfSpeculativeRollout | None = None
@@ -106,7 +111,9 @@ class TreeTrainingMixin:
                 stack.enter_context(compat.vllm_engine_kwargs(extra))
             super().__init__(**arguments)
         if config.tree_enabled:
-            self._tree_step = TreeStep(config, temperature=self.temperature)
+            # Under DeepSpeed ZeRO-3 the tree gathers the partitions with DeepSpeed's own context.
+            gather = deepspeed_gathered if getattr(self, "is_deepspeed_enabled", False) else None
+            self._tree_step = TreeStep(config, temperature=self.temperature, gather=gather)
             self._check_tree_setup()
         if config.speculative_rollout:
             self._check_speculative_setup()
@@ -133,9 +140,15 @@ class TreeTrainingMixin:
         model = self.accelerator.unwrap_model(self.model)
         # What the trainer actually built (an accelerate config file can choose an engine without args.fsdp).
         if getattr(self, "is_deepspeed_enabled", False):
-            raise ValueError(
-                "tree_packing/long_context_replay with DeepSpeed (chosen in your accelerate config) is not supported "
-                "yet: use FSDP2 or plain data parallel (DDP), or turn tree training off"
+            config = compat.deepspeed_config(self)
+            if (config.get("fp16") or {}).get("enabled") in (True, "true"):
+                raise ValueError(
+                    "tree_packing/long_context_replay do not support DeepSpeed's fp16 loss scaling (fp16.enabled in "
+                    "your DeepSpeed config): use bf16, or turn tree training off"
+                )
+            # DeepSpeed reduces through hooks on the parameters: the tree trains a replica aliasing them.
+            self._engine_replica = AliasReplica(
+                model, accumulate_dtype=torch.float32, gather=deepspeed_gathered
             )
         if getattr(self, "is_fsdp_enabled", False) and not (
             is_fsdp2(model) or getattr(self.accelerator, "is_fsdp2", False)
@@ -355,20 +368,24 @@ class TreeTrainingMixin:
                 self._tree_leaves = None
             return self._scale_like_training_step(loss, num_items)
 
-        constant = self._coefficients_constant(window)
+        train = functools.partial(
+            self._tree_step.train,
+            window=layouts,
+            loss_fn=loss_fn,
+            loss_gradient="constant" if self._coefficients_constant(window) else "general",
+            entropy=True,
+            quiet=self._quiet,
+            gradient_checkpointing=self.args.gradient_checkpointing,
+            device=window[0][0]["completion_ids"].device,
+            router=router,
+        )
         with self.accelerator.autocast():
-            result = self._tree_step.train(
-                self.accelerator.unwrap_model(model),
-                layouts,
-                loss_fn,
-                loss_gradient="constant" if constant else "general",
-                entropy=True,
-                quiet=self._quiet,
-                gradient_checkpointing=self.args.gradient_checkpointing,
-                data_parallel=self.accelerator.num_processes > 1,
-                device=window[0][0]["completion_ids"].device,
-                router=router,
-            )
+            if self._engine_replica is None:
+                result = train(
+                    self.accelerator.unwrap_model(model), data_parallel=self.accelerator.num_processes > 1
+                )
+            else:
+                result = self._train_through_engine(train)
         self._log_tree(result.metrics)
         if balanced is not None:
             sink = compat.metrics(self, "train")
@@ -378,6 +395,27 @@ class TreeTrainingMixin:
             # Every rank's shape and time of this step: the next plans are priced by the refitted model.
             self._cost_model.observe(forest_stats(result.forest), result.metrics.backward_time)
         return result.loss
+
+    def _train_through_engine(self, train: Callable[..., StepResult]) -> StepResult:
+        """DeepSpeed: the window's forest on a replica aliasing the engine's module (ZeRO-3: its
+        partitions gathered once), then its gradient through ``accelerator.backward`` once, as the
+        window's last micro-batch (accelerate sets the engine's accumulation boundary and steps it;
+        the earlier micro-batches ran no backward, so DeepSpeed reduces once per optimizer step)."""
+        replica = self._engine_replica
+        engine = compat.deepspeed_engine(self)
+        sync = self.accelerator.sync_gradients
+        with replica.whole():
+            with replica.gathered(grad=True) as plain:
+                result = train(plain, lockstep=self.accelerator.num_processes > 1)
+            # accelerate's DeepSpeed backward, split: the engine's backward while the parameters are
+            # whole (ZeRO-3), its step after they are partitioned again. transformers' training_step
+            # turns off DeepSpeed's own scaling by the accumulation steps.
+            engine.set_gradient_accumulation_boundary(is_boundary=sync)
+            engine.backward(replica.gradient_surrogate(), scale_wrt_gas=False)
+        replica.clear()
+        if sync:
+            engine.step()
+        return result
 
     def _scale_like_training_step(self, loss: torch.Tensor, num_items) -> torch.Tensor:
         # transformers' Trainer.training_step divides by the accumulation steps unless the loss says

@@ -97,3 +97,32 @@ def test_wider_accumulation_keeps_every_unit_once():
         assert all(p.grad.dtype == torch.float32 for p in model.parameters())
         results[wide] = grads(model)
     assert max_rel_err(results[torch.float64], results[None]) < 1e-6
+
+
+def test_partitioned_parameters_need_the_engines_gather_and_gather_once():
+    """Parameters marked as ZeRO-3 partitions (``ds_id``; the real ones are tested with DeepSpeed in
+    tests/plugins/test_trl_deepspeed.py and tests/openrlhf): no gather is refused; ``whole`` gathers
+    once however deeply nested; the surrogate needs them whole, and its zero form reaches none."""
+    import contextlib
+
+    model = tiny_causal_lm(seed=1)
+    for i, p in enumerate(model.parameters()):
+        p.ds_id, p.ds_shape = i, p.shape
+    with pytest.raises(ValueError, match="ZeRO-3 partitions: pass gather="):
+        AliasReplica(model)
+    calls = []
+
+    @contextlib.contextmanager
+    def gather(params):
+        calls.append(len(params))
+        yield
+
+    replica = AliasReplica(model, gather=gather)
+    with replica.whole(), replica.gathered(grad=False), replica.whole():
+        pass
+    assert calls == [len(list(model.parameters()))]
+    with pytest.raises(RuntimeError, match="inside AliasReplica.whole"):
+        replica.gradient_surrogate()
+    zero = replica.gradient_surrogate(zero=True)
+    zero.backward()
+    assert all(p.grad is None for p in model.parameters())

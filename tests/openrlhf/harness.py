@@ -41,6 +41,7 @@ from openrlhf.utils import get_strategy  # noqa: E402
 from openrlhf.utils.deepspeed import deepspeed as ds_module  # noqa: E402
 
 from forkrl.core.testing.models import byte_llama, byte_tokenizer, grpo_rollouts, save_pretrained  # noqa: E402
+from forkrl.plugins.deepspeed import gathered  # noqa: E402
 from forkrl.plugins.openrlhf.train_ppo_ray import parse_args  # noqa: E402
 from forkrl.plugins.openrlhf.trainer import TreeActorPPOTrainer  # noqa: E402
 
@@ -102,6 +103,8 @@ def trainer(args, tree: bool, lr: float = 0.05, model: torch.nn.Module | None = 
     config["bf16"] = {"enabled": bf16}
     config.pop("fp16", None)
     config["zero_allow_untested_optimizer"] = True
+    if config["zero_optimization"]["stage"] == 3:  # partition every parameter of the tiny model
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     engine, optim, _, scheduler = deepspeed.initialize(
         model=actor.model,
         optimizer=torch.optim.SGD(actor.model.parameters(), lr=lr),
@@ -179,7 +182,11 @@ def _copy(e: Experience) -> Experience:
 
 
 def parameters(t) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in t.actor.model.module.named_parameters()}
+    """The actor's parameters, whole (ZeRO-3 partitions gathered)."""
+    module = t.actor.model.module
+    partitions = [p for p in module.parameters() if hasattr(p, "ds_id")]
+    with gathered(partitions):  # forkrl's gather: DeepSpeed's coalesced one is unreliable on gloo
+        return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
 __all__ = [

@@ -34,3 +34,16 @@ def test_openrlhf_step_benchmark_runs():
     assert any(line.startswith("| tree") for line in lines)
     res = json.loads(lines[-1])
     assert res["benchmark"] == "openrlhf_step" and res["param_agreement"] < 1e-4
+
+
+def test_zero3_comm_benchmark_tree_moves_less_than_stock():
+    """benchmarks/zero3_comm.py keeps running; the tree step's collectives per optimizer step are
+    one model's worth each way, at most stock ZeRO-3's (which re-gathers per micro-batch)."""
+    cmd = [sys.executable, "-m", "benchmarks.zero3_comm", "--model", "micro", "--P", "32", "--R", "8"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=clean_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    stock, tree = res["rows"]
+    assert res["benchmark"] == "zero3_comm" and tree["path"] == "tree"
+    assert abs(tree["over_model"] - 2.0) < 0.01 and tree["total_mib"] < stock["total_mib"]
+    assert all(abs(a - b) < 1e-6 for a, b in res["losses"])

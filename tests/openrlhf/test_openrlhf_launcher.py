@@ -21,6 +21,13 @@ def test_contract():
     compat.check()
 
 
+def test_deepspeed_contract():
+    """What forkrl's ZeRO-3 gathering relies on (forkrl.plugins.deepspeed), on a real partition."""
+    from forkrl.plugins import deepspeed as forkrl_deepspeed
+
+    forkrl_deepspeed.check()
+
+
 def test_real_command_line_parses_and_forkrl_flags_arrive():
     args = h.parse_args(
         h.command("some/model", "--forkrl.tree_packing", "--forkrl.tree_mode", "replay", "--forkrl.tree_block_size",
@@ -55,10 +62,9 @@ def test_bad_forkrl_flags_are_usage_errors(capsys, argv, needle):
 @pytest.mark.parametrize(
     "extra,needle",
     [
-        (["--ds.zero_stage", "3"], "--ds.zero_stage 3"),
         (["--ds.ring_attn_size", "2", "--ds.packing_samples"], "--ds.ring_attn_size"),
         (["--ds.param_dtype", "fp16"], "--ds.param_dtype fp16"),
-        (["--forkrl.tree_balance", "on"], "--forkrl.tree_balance on"),
+        (["--forkrl.tree_balance", "on", "--actor.aux_loss_coef", "0.01"], "--forkrl.tree_balance on"),
         (
             ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "64"],
             "--train.dynamic_batch_enable",
@@ -67,13 +73,18 @@ def test_bad_forkrl_flags_are_usage_errors(capsys, argv, needle):
 )
 def test_refused_openrlhf_settings_fail_before_ray(extra, needle):
     argv = h.command("m", "--forkrl.tree_packing")
-    argv = [a for a in argv]
-    if "--ds.zero_stage" in extra:
-        i = argv.index("--ds.zero_stage")
-        del argv[i : i + 2]
     with pytest.raises(SystemExit) as info:
         h.parse_args([*argv, *extra])
     assert needle in str(info.value.code) and "or train without --forkrl.tree_packing" in str(info.value.code)
+
+
+def test_zero_stage_3_is_accepted_also_with_dynamic_batches():
+    argv = h.command(
+        "m", "--forkrl.tree_packing", "--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "64"
+    )
+    argv[argv.index("--ds.zero_stage") + 1] = "3"
+    args = h.parse_args(argv)
+    assert args.ds.zero_stage == 3 and args.forkrl.tree_packing
 
 
 def test_help_lists_forkrl_and_openrlhf_flags():

@@ -31,6 +31,7 @@ CONFIGS = [
                                      "0.05", "--actor.entropy_coef", "0.0"], False),
     ("two-epochs-temperature", ["--train.max_epochs", "2", "--rollout.temperature", "0.7"], False),
     ("zero-stage-0", ["--ds.zero_stage", "0", "--actor.entropy_coef", "0.01"], False),
+    ("zero-stage-3", ["--ds.zero_stage", "3", "--actor.entropy_coef", "0.01"], False),
     ("gradient-checkpointing-replay", ["--actor.gradient_checkpointing_enable", "--actor.entropy_coef", "0.01"], False),
     ("tree-mode-replay-block-5", ["--forkrl.tree_mode", "replay", "--forkrl.tree_block_size", "5"], False),
 ]  # fmt: skip
@@ -78,6 +79,10 @@ def test_tree_trainer_matches_stock(name, extra, per_token):
     change, rel = _agreement(stock, tree)
     assert change > 1e-2, "the update is too small to compare"
     assert rel < 1e-5, f"{name}: parameters differ by {rel:.2e} of the update"
+    if "zero-stage-3" in name:  # the parameters really are partitions (the tiny model's too)
+        from forkrl.core.train import is_zero3
+
+        assert is_zero3(tree.actor.model.module) and is_zero3(stock.actor.model.module)
     for a, b in zip(s_status, t_status, strict=True):
         for key in (
             "policy_loss",
@@ -138,10 +143,11 @@ def test_moe_router_aux_loss_matches_stock(dynamic):
         assert _agreement(stock, plain, model=_moe)[1] > 1e-3
 
 
-def test_dynamic_batch_matches_stock_on_zero_stage_0():
+@pytest.mark.parametrize("stage", ["0", "3"])
+def test_dynamic_batch_matches_stock(stage):
     """Dynamic batching: windows end where the buffer's dynamic_optimizer_step says, loss
-    normalisers come from the buffer, DeepSpeed's accumulation is 1 (stage 0: gradients accumulate
-    across the window's backwards, as in stock)."""
+    normalisers come from the buffer, DeepSpeed's accumulation is 1 (stages 0 and 3: gradients
+    accumulate across the window's backwards, as in stock)."""
     extra = [
         "--train.dynamic_batch_enable",
         "--train.max_tokens_per_gpu",
@@ -150,7 +156,7 @@ def test_dynamic_batch_matches_stock_on_zero_stage_0():
         "0.01",
     ]
     argv = h.command("unused", *extra, "--forkrl.tree_packing")
-    argv[argv.index("--ds.zero_stage") + 1] = "0"
+    argv[argv.index("--ds.zero_stage") + 1] = stage
     args = h.parse_args(argv)
     rounds = _rounds(False)
     stock, s_status = _run(args, tree=False, rounds=rounds, kl_ctl=0.0)
@@ -198,12 +204,12 @@ def test_without_forkrl_flags_the_trainer_is_stock():
 def test_deepspeed_zero2_keeps_only_the_last_backward_without_accumulation():
     """The upstream fact behind refusing dynamic batching on ZeRO-1/2 (OpenRLHF sets DeepSpeed's
     gradient_accumulation_steps=1 there and steps once per window): two backwards, then a step,
-    apply only the second's gradient (stage 0 applies both). If DeepSpeed changes this, revisit
+    apply only the second's gradient (stages 0 and 3 apply both). If DeepSpeed changes this, revisit
     the refusal in forkrl.plugins.openrlhf.options.check_host_args."""
     import deepspeed
 
     updates = {}
-    for stage in (0, 2):
+    for stage in (0, 2, 3):
         torch.manual_seed(0)
         m = torch.nn.Linear(4, 1, bias=False)
         w0 = m.weight.detach().clone()
@@ -211,7 +217,7 @@ def test_deepspeed_zero2_keeps_only_the_last_backward_without_accumulation():
             "train_micro_batch_size_per_gpu": 1,
             "gradient_accumulation_steps": 1,
             "gradient_clipping": 0.0,
-            "zero_optimization": {"stage": stage},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
             "zero_allow_untested_optimizer": True,
         }
         engine, *_ = deepspeed.initialize(
@@ -220,22 +226,31 @@ def test_deepspeed_zero2_keeps_only_the_last_backward_without_accumulation():
         for x in (torch.tensor([[1.0, 0, 0, 0]]), torch.tensor([[0.0, 1, 0, 0]])):
             engine.backward(engine(x).sum())
         engine.step()
-        updates[stage] = (w0 - m.weight.detach()).flatten().tolist()
+        with deepspeed.zero.GatheredParameters([m.weight], modifier_rank=None):
+            updates[stage] = (w0 - m.weight.detach()).flatten().tolist()
     assert updates[0] == pytest.approx([1.0, 1.0, 0.0, 0.0], abs=1e-5)
     assert updates[2] == pytest.approx([0.0, 1.0, 0.0, 0.0], abs=1e-5)
+    assert updates[3] == pytest.approx([1.0, 1.0, 0.0, 0.0], abs=1e-5)
 
 
-def test_policy_and_reference_actors_tree_score_like_openrlhf():
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_policy_and_reference_actors_tree_score_like_openrlhf(stage):
     """forkrl's Ray actor classes (their forward, as Ray runs it in the worker) against OpenRLHF's:
-    old-policy log-probs from the policy actor, reference log-probs from the reference actor."""
+    old-policy log-probs from the policy actor, reference log-probs from the reference actor. Under
+    ZeRO-3 the tree scorer gathers the partitions once per call and leaves them partitioned."""
     from openrlhf.trainer.ray.launcher import ReferenceModelActor
     from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
     from forkrl.core import TreeStep
+    from forkrl.core.train import is_zero3
+    from forkrl.plugins.deepspeed import gathered
     from forkrl.plugins.openrlhf import actors
 
-    args = h.parse_args(h.command("unused", "--rollout.temperature", "0.9", "--forkrl.tree_packing"))
-    t = h.trainer(args, tree=True)
+    argv = h.command("unused", "--rollout.temperature", "0.9", "--forkrl.tree_packing")
+    argv[argv.index("--ds.zero_stage") + 1] = stage
+    t = h.trainer(h.parse_args(argv), tree=True)
+    module = t.actor.model.module
+    assert is_zero3(module) == (stage == "3")
     e = h.experience(h.rollouts(seed=5), seed=5)
     inputs = (e.sequences, e.action_mask, e.attention_mask)
 
@@ -247,7 +262,9 @@ def test_policy_and_reference_actors_tree_score_like_openrlhf():
     def reference(cls):
         a = object.__new__(cls)
         a.model, a.strategy = t.actor, t.strategy
-        a.tree_step = TreeStep(t.tree_options, temperature=t.actor.temperature)
+        a.tree_step = TreeStep(
+            t.tree_options, temperature=t.actor.temperature, gather=gathered
+        )  # as its init
         return a
 
     with h.cpu():
@@ -258,6 +275,7 @@ def test_policy_and_reference_actors_tree_score_like_openrlhf():
             want, got = host.forward(*inputs), ours.forward(*inputs)
             assert got.device.type == "cpu" and got.shape == want.shape
             assert max_rel_err([got], [want]) < 1e-5
+            assert all(p.numel() == 0 for p in module.parameters()) == (stage == "3")  # partitioned again
     # Without tree training the actors are OpenRLHF's (no tree scorer is used).
     plain = reference(actors.TreeReferenceModelActor)
     plain.tree_step = None
