@@ -131,27 +131,36 @@ def rank_main(args) -> None:
     finish()
 
 
-def launch(args) -> None:
-    from benchmarks.common import machine, print_table
+def run_ranks(module: str, env_flag: str) -> list[dict]:
+    """Run ``python -m module`` (this command line) on 2 gloo ranks; every rank's RESULT record."""
     from forkrl.core.testing.ranks import torchrun
 
-    proc = torchrun(
-        "benchmarks.sharded_comm", *sys.argv[1:], nproc=2, timeout=1800, cwd=REPO, module=True,
-        FORKRL_SHARDED_COMM_RANK="1",
-    )  # fmt: skip
-    results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    r0 = results[0]
+    proc = torchrun(module, *sys.argv[1:], nproc=2, timeout=1800, cwd=REPO, module=True, **{env_flag: "1"})
+    return [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+
+
+def table_rows(record: dict, paths: tuple[str, ...]) -> list[dict]:
+    """One table row per path of a rank's RESULT record: calls / MiB per kind, the total, x model."""
     rows = []
-    for name in ("stock-sync-last", "stock-sync-each", "tree"):
+    for name in paths:
         row = {"path": name}
         total = 0
         for kind in KINDS:
-            c = r0[name][kind]
+            c = record[name][kind]
             row[kind] = f"{c['calls']} / {c['bytes'] / 2**20:.1f}"
             total += c["bytes"]
         row["total_mib"] = total / 2**20
-        row["over_model"] = total / r0["model_bytes"]
+        row["over_model"] = total / record["model_bytes"]
         rows.append(row)
+    return rows
+
+
+def launch(args) -> None:
+    from benchmarks.common import machine, print_table
+
+    results = run_ranks("benchmarks.sharded_comm", "FORKRL_SHARDED_COMM_RANK")
+    r0 = results[0]
+    rows = table_rows(r0, ("stock-sync-last", "stock-sync-each", "tree"))
     base = rows[0]["total_mib"]
     for row in rows:
         row["vs_stock_sync_last"] = row["total_mib"] / base if base else float("nan")

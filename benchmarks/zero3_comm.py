@@ -75,26 +75,11 @@ def rank_main(args) -> None:
 
 def launch(args) -> None:
     from benchmarks.common import machine, print_table
-    from benchmarks.sharded_comm import KINDS
-    from forkrl.core.testing.ranks import torchrun
+    from benchmarks.sharded_comm import KINDS, run_ranks, table_rows
 
-    proc = torchrun(
-        "benchmarks.zero3_comm", *sys.argv[1:], nproc=2, timeout=1800, cwd=REPO, module=True,
-        FORKRL_ZERO3_COMM_RANK="1",
-    )  # fmt: skip
-    results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    results = run_ranks("benchmarks.zero3_comm", "FORKRL_ZERO3_COMM_RANK")
     r0 = results[0]
-    rows = []
-    for name in PATHS:
-        row = {"path": name}
-        total = 0
-        for kind in KINDS:
-            c = r0[name][kind]
-            row[kind] = f"{c['calls']} / {c['bytes'] / 2**20:.1f}"
-            total += c["bytes"]
-        row["total_mib"] = total / 2**20
-        row["over_model"] = total / r0["model_bytes"]
-        rows.append(row)
+    rows = table_rows(r0, PATHS)
     for row in rows:
         row["vs_stock"] = row["total_mib"] / rows[0]["total_mib"]
     print(
