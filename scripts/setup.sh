@@ -163,8 +163,11 @@ dev_env() {
 
 openrlhf_env() {
     setup_env .venv-openrlhf ".[openrlhf]" test pytest
+    # DeepSpeed and torch are in place now: compile its op while vLLM and OpenRLHF install.
+    build_deepspeed_ops .venv-openrlhf &
+    local op=$!
     setup_openrlhf
-    build_deepspeed_ops .venv-openrlhf
+    wait "$op"
 }
 
 if [ "$mode" = run ]; then
