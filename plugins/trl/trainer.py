@@ -13,6 +13,9 @@ Overrides (each delegates to TRL when its flag is off):
 - ``_generate_single_turn`` (``speculative_rollout``): TRL's transformers generation through the
   exact self-speculative sampler (:class:`forkrl.core.speculative.SelfSpeculativeRollout`).
 
+Under DeepSpeed (ZeRO-2/3) the forest trains a replica aliasing the engine's module and the step's
+gradient reaches the engine through one backward (:meth:`TreeTrainingMixin._train_through_engine`).
+
 Inherited unchanged: generation (without ``speculative_rollout``), rewards, advantages, TRL's loss
 code, logging, the optimizer step, checkpointing. What is TRL's and so lives here: which of its
 losses have a value-independent gradient (:meth:`GRPOTrainer._coefficients_constant`: then one
@@ -97,9 +100,8 @@ class TreeTrainingMixin:
         self._tree_window: list[tuple[dict[str, Any], Any]] = []
         self._tree_leaves: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
         self._tree_step: TreeStep | None = None
-        self._engine_replica: AliasReplica | None = (
-            None  # DeepSpeed: the tree's replica, its gradient handed over
-        )
+        # DeepSpeed: the tree's replica of the engine's module, whose gradient is handed to the engine.
+        self._engine_replica: AliasReplica | None = None
         self._tree_balance = False
         self._cost_model = OnlineCostModel()
         self._spec_rollout: SelfSpeculativeRollout | None = None
@@ -398,9 +400,10 @@ class TreeTrainingMixin:
 
     def _train_through_engine(self, train: Callable[..., StepResult]) -> StepResult:
         """DeepSpeed: the window's forest on a replica aliasing the engine's module (ZeRO-3: its
-        partitions gathered once), then its gradient through ``accelerator.backward`` once, as the
-        window's last micro-batch (accelerate sets the engine's accumulation boundary and steps it;
-        the earlier micro-batches ran no backward, so DeepSpeed reduces once per optimizer step)."""
+        partitions gathered once), then its gradient through the engine once, as the window's last
+        micro-batch: what accelerate's DeepSpeed ``backward`` does (the accumulation boundary, the
+        engine's backward, its step), split so that the step runs after the partitions are released.
+        The earlier micro-batches ran no backward, so DeepSpeed reduces once per optimizer step."""
         replica = self._engine_replica
         engine = compat.deepspeed_engine(self)
         sync = self.accelerator.sync_gradients
