@@ -670,10 +670,8 @@ def engine_hooks_of(module: nn.Module, package: str) -> list[tuple[dict, object]
         for attr in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"):
             hooks = getattr(sub, attr, None) or {}
             for key, fn in hooks.items():
-                owner = getattr(fn, "__module__", None) or getattr(
-                    getattr(fn, "func", None), "__module__", ""
-                )
-                if (owner or "").split(".")[0] == package:
+                owner = getattr(fn, "__module__", None) or ""
+                if owner.split(".")[0] == package:
                     found.append((hooks, key))
     return found
 

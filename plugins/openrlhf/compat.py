@@ -28,7 +28,6 @@ __all__ = [
     "check",
     "engine_of",
     "swapped",
-    "zero_stage",
 ]
 
 CHECKED = "openrlhf 0.11.2 (deepspeed 0.19.6, transformers 5.15.0, ray 2.55.0)"
@@ -104,12 +103,6 @@ def swapped(module: ModuleType | str, **names: Any) -> Iterator[None]:
 def engine_of(actor: torch.nn.Module) -> Any:
     """The DeepSpeed engine inside an OpenRLHF ``Actor`` (``strategy.prepare`` sets ``actor.model``)."""
     return actor.model
-
-
-def zero_stage(engine: Any) -> int:
-    """The ZeRO stage of a DeepSpeed engine (0 for a plain module)."""
-    stage = getattr(engine, "zero_optimization_stage", None)
-    return int(stage()) if callable(stage) else 0
 
 
 # ---------------------------------------------------------------------- the contract
