@@ -6,6 +6,7 @@
 - :mod:`.engine`: the FSDP2 engine subclass (backend ``fsdp2_tree``), ``forward_backward_batch``
   over :class:`forkrl.core.train.TreeStep`.
 - :mod:`.config`: ``ForkrlFSDPActorConfig`` (``FSDPActorConfig`` plus a ``forkrl`` block).
+- :mod:`.balance`: ``forkrl.tree_balance``, each mini-batch's rows moved between the dp ranks by tree cost.
 - :mod:`.compat`: every veRL private the plugin relies on, checked by the contract tests.
 - ``config/``: the override YAMLs (``forkrl_tree.yaml``, ``forkrl_long_context.yaml``).
 

@@ -97,6 +97,26 @@ def _registry() -> None:
     assert parameter_names(EngineRegistry.register)[:3] == ["model_type", "backend", "device"]
 
 
+def _balance_facts() -> None:
+    from verl.trainer.ppo import core_algos
+    from verl.workers.utils import padding
+
+    src = inspect.getsource(padding.left_right_2_no_padding)
+    for needle in ('"max_seq_len"', '"max_response_len"', '"indices", indices', "unpad_input("):
+        assert needle in src, needle
+    src = inspect.getsource(core_algos.agg_loss)
+    for needle in (
+        "/ batch_num_tokens * dp_size",
+        "/ global_batch_size * dp_size",
+        "horizon = loss_mask.shape[-1]",
+    ):
+        assert needle in src, needle
+    from forkrl.plugins.verl.balance import ROW_LOCAL_LOSSES
+
+    for name in ROW_LOCAL_LOSSES:
+        core_algos.get_policy_loss_fn(name)
+
+
 def _tensordict_utils() -> None:
     from verl.utils import tensordict_utils as tu
 
@@ -134,6 +154,12 @@ PRIVATES: tuple[Private, ...] = (
     ),
     Private("EngineRegistry.register", "forkrl's engine is registered under backend fsdp2_tree", _registry),
     Private("verl.utils.tensordict_utils", "non-tensor batch fields (flags, normalisers)", _tensordict_utils),
+    Private(
+        "left_right_2_no_padding's layout fields; agg_loss's global normalisers; the row-local policy losses",
+        "tree_balance recomputes max_seq_len, max_response_len and indices for the moved rows, and moves rows "
+        "only where every loss term is normalised by the mini-batch's global counts",
+        _balance_facts,
+    ),
 )
 
 

@@ -3,8 +3,9 @@
 Selected from the override YAML with ``_target_: forkrl.plugins.verl.config.ForkrlFSDPActorConfig``
 on ``actor_rollout_ref.actor`` (and ``.ref``). The ``forkrl`` block takes the same names as every
 host (:class:`forkrl.core.train.TreeOptions`: ``tree_packing``, ``tree_mode``, ``tree_block_size``,
-``tree_replay_threshold``, ``long_context_replay``, ``long_context_prompt_grad``), validated when
-veRL builds the config. With tree training on, the engine backend becomes forkrl's (``fsdp2_tree``);
+``tree_replay_threshold``, ``long_context_replay``, ``long_context_prompt_grad``, ``tree_balance``),
+validated when veRL builds the config; ``tree_balance: on`` with a loss whose update depends on
+the rows' grouping is refused here (:func:`forkrl.plugins.verl.balance.unsafe_reason`). With tree training on, the engine backend becomes forkrl's (``fsdp2_tree``);
 ``strategy`` itself stays ``fsdp2``, so every other part of veRL sees its own FSDP2 actor.
 """
 
@@ -18,6 +19,7 @@ from verl.workers.config import FSDPActorConfig
 
 from forkrl.core import TreeOptions
 
+from .balance import unsafe_reason
 from .engine import BACKEND
 
 __all__ = ["ForkrlFSDPActorConfig", "tree_options"]
@@ -58,12 +60,16 @@ class ForkrlFSDPActorConfig(FSDPActorConfig):
                 "forkrl's tree engine cannot run with Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1): "
                 "set it to 1, or set forkrl.tree_packing: false"
             )
-        if options.tree_balance == "on":
+        unsafe = unsafe_reason(
+            getattr(self.policy_loss, "loss_mode", "vanilla"), self.loss_agg_mode, self.loss_scale_factor
+        )
+        if options.tree_enabled and options.tree_balance == "on" and unsafe is not None:
             raise ValueError(
-                "forkrl.tree_balance: on: veRL's plugin does not move rows between ranks yet (TRL's does); veRL's own "
-                "balance_batch stays in charge: drop the key (auto), or set it to off"
+                f"forkrl.tree_balance: on would change veRL's update: {unsafe}; set forkrl.tree_balance: off "
+                "(or auto, which leaves such a loss's rows where veRL put them)"
             )
         object.__setattr__(self, "forkrl", dataclasses.asdict(options))
         if options.tree_enabled:
             object.__setattr__(self.engine, "strategy", BACKEND)
             object.__setattr__(self.engine, "forkrl", options)
+            object.__setattr__(self.engine, "forkrl_balance_unsafe", unsafe)

@@ -11,6 +11,10 @@ width; all micro-batches are one forest for :class:`forkrl.core.train.TreeStep`;
 per micro-batch on the tree's log-probs, placed as veRL places its own (nested over whole rows,
 rolled by one); one tree backward; the gradients are reduce-scattered into FSDP2's shards once.
 Old and reference log-probs (``forward_only``) are scored as one forest too.
+
+With several data-parallel ranks (``forkrl.tree_balance: auto``, the default), each mini-batch's
+rows are first moved between the ranks by predicted tree cost (:mod:`forkrl.plugins.verl.balance`),
+priced by a cost model fitted to every rank's measured steps.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from verl.utils.metric import AggregationType, Metric
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from forkrl.core import RowLayout, TreeOptions, TreeStep
+from forkrl.core.balance import OnlineCostModel, forest_stats
 
 from . import compat
+from .balance import balance_mini_batch
 
 __all__ = ["BACKEND", "TreeFSDPEngineWithLMHead"]
 
@@ -53,6 +59,7 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         object.__setattr__(engine_config, "strategy", "fsdp2")
         super().__init__(model_config, engine_config, optimizer_config, checkpoint_config, *args, **kwargs)
         self._tree_steps: dict[float, TreeStep] = {}
+        self._cost_model = OnlineCostModel()
         logger.info("forkrl: veRL engine %s active (%s)", BACKEND, self._tree_options)
 
     # ------------------------------------------------------------------ the override
@@ -61,6 +68,10 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if not self._tree_options.tree_enabled:
             return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
         self._refuse(data)
+        balanced = None
+        if not forward_only and self._balancing(data):  # the mini-batch's rows over the ranks by tree cost
+            group = self.get_data_parallel_group()
+            data, balanced = balance_mini_batch(data, self._cost_model.model, group=group)
         compat.global_batch_info(self, data)
         micro_batches, indices = compat.micro_batches(self, data)
         micro_batches = [mb.to(get_device_id()) for mb in micro_batches]  # as stock forward_step does
@@ -77,7 +88,7 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             if forward_only:
                 outputs = self._score(step, micro_batches, layouts, loss_function, entropy)
             else:
-                outputs = self._train(step, micro_batches, layouts, loss_function, entropy, data)
+                outputs = self._train(step, micro_batches, layouts, loss_function, entropy, data, balanced)
         return compat.postprocess(outputs, indices, data)
 
     # ------------------------------------------------------------------ the two passes
@@ -94,7 +105,9 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             outputs.append({"model_output": model_output, "loss": float(loss.detach()), "metrics": metrics})
         return outputs
 
-    def _train(self, step, micro_batches, layouts, loss_function, entropy: bool, data) -> list[dict]:
+    def _train(
+        self, step, micro_batches, layouts, loss_function, entropy: bool, data, balanced
+    ) -> list[dict]:
         last: dict[int, tuple[torch.Tensor, dict]] = {}
 
         def loss_fn(i: int, logps: torch.Tensor, ents: torch.Tensor | None) -> torch.Tensor:
@@ -116,11 +129,30 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             if keep_output:
                 out["model_output"] = _model_output(mb, layouts[i].to_host(torch.cat(rows)), None)
             outputs.append(out)
-        for key, value in result.metrics.as_dict().items():
+        extra = result.metrics.as_dict()
+        if balanced is not None:
+            extra.update(balanced.metrics())
+            extra["tree/balance_cost_fitted"] = float(self._cost_model.fitted)
+            # Every rank's shape and time of this step: the next plans are priced by the refitted model.
+            self._cost_model.observe(
+                forest_stats(result.forest),
+                result.metrics.backward_time,
+                group=self.get_data_parallel_group(),
+            )
+        for key, value in extra.items():
             outputs[0]["metrics"][key] = Metric(value=value, aggregation=AggregationType.MEAN)
         return outputs
 
     # ------------------------------------------------------------------ setup and refusals
+    def _balancing(self, data) -> bool:
+        """Whether this mini-batch's rows are rebalanced over the dp ranks (the same answer on every
+        rank: the config, the dp size and the driver's flags are shared)."""
+        if self._tree_options.tree_balance == "off" or self.get_data_parallel_size() < 2:
+            return False
+        if getattr(self.engine_config, "forkrl_balance_unsafe", None) is not None:
+            return False  # the loss depends on the rows' grouping (refused at config time under "on")
+        return not compat.non_tensor(data, "return_model_output", False)  # per-row outputs stay on their rank
+
     def _step(self, micro_batches) -> TreeStep:
         temps = {
             float(t) for mb in micro_batches for t in torch.as_tensor(mb["temperature"]).reshape(-1).tolist()

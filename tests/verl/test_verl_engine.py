@@ -161,8 +161,19 @@ def test_config_errors():
         h.actor_config({"tree_packing": True, "tree_mode": "fast"})
     with pytest.raises(ValueError, match="Ulysses sequence parallelism"):
         h.actor_config({"tree_packing": True}, ulysses_sequence_parallel_size=2)
-    with pytest.raises(ValueError, match="tree_balance: on: veRL's plugin does not move rows"):
-        h.actor_config({"tree_packing": True, "tree_balance": "on"})
+    from verl.workers.config.actor import PolicyLossConfig
+
+    on = {"tree_packing": True, "tree_balance": "on"}
+    assert h.actor_config(on).engine.forkrl_balance_unsafe is None  # veRL's default loss: rows may move
+    with pytest.raises(
+        ValueError, match="tree_balance: on would change veRL's update: policy_loss.loss_mode='clip_cov'"
+    ):
+        h.actor_config(on, policy_loss=PolicyLossConfig(loss_mode="clip_cov"))
+    with pytest.raises(ValueError, match="seq-mean-token-sum-norm' without loss_scale_factor"):
+        h.actor_config(on, loss_agg_mode="seq-mean-token-sum-norm")
+    h.actor_config(on, loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=512)  # a fixed width: exact
+    auto = h.actor_config({"tree_packing": True}, policy_loss=PolicyLossConfig(loss_mode="geo_mean"))
+    assert "geo_mean" in auto.engine.forkrl_balance_unsafe  # auto: the rows stay where veRL put them
 
 
 def test_per_sample_temperatures_are_refused(model_path):

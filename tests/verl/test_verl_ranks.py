@@ -1,9 +1,12 @@
 """Two gloo ranks under veRL's FSDP2 engine: ranks hold different forests (rank 0 groups that share
-prompts, rank 1 rows that share nothing) and the tree engine's update still equals veRL's own."""
+prompts, rank 1 rows that share nothing) and the tree engine's update still equals veRL's own,
+with the mini-batch's rows moved between the ranks by tree cost (``tree_balance: auto``) and without."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import pytest
 
 from forkrl.core.testing.ranks import rank_lines, torchrun
 
@@ -17,13 +20,13 @@ from tests.verl import harness as h
 from forkrl.core.testing.ranks import finish, report
 rank = dist.get_rank()
 path = sys.argv[1]
-if rank == 0:
-    rollouts = h.rows(seed=0)
-else:  # nothing shared between rows
+if rank == 0:  # two GRPO groups (two trees: the second's opening differs)
+    rollouts = [(p if i < 4 else [251] + p[1:], r) for i, (p, r) in enumerate(h.rows(seed=0))]
+else:  # nothing shared between rows, and longer: the costlier rank, until rows move
     g = torch.Generator().manual_seed(7)
-    rollouts = [([k] + torch.randint(0, 250, (5 + k % 3,), generator=g).tolist(), torch.randint(0, 250, (2 + k % 4,), generator=g).tolist()) for k in range(8)]
+    rollouts = [([k] + torch.randint(0, 250, (11 + k % 3,), generator=g).tolist(), torch.randint(0, 250, (2 + k % 4,), generator=g).tolist()) for k in range(8)]
 stock = h.worker(path, h.actor_config(None, ppo_mini_batch_size=16))
-tree = h.worker(path, h.actor_config({{"tree_packing": True}}, ppo_mini_batch_size=16))
+tree = h.worker(path, h.actor_config({{"tree_packing": True, "tree_balance": sys.argv[2]}}, ppo_mini_batch_size=16))
 init = h.parameters(stock)
 for step in range(2):
     td = h.batch(rollouts, seed=10 * rank + step, kl=True)
@@ -32,20 +35,25 @@ for step in range(2):
 a, b = h.parameters(tree), h.parameters(stock)
 change = max((b[n] - init[n]).abs().max().item() for n in b)
 rel = max((a[n] - b[n]).abs().max().item() for n in b) / change
-report(f"RANK {{rank}} REL {{rel:.3e}} CHANGE {{change:.3e}} LOSS {{ms['loss'][0]:.6f}} {{mt['loss'][0]:.6f}}")
+moved = mt.get("tree/balance_moved_rows", [-1])
+moved = moved[0] if isinstance(moved, list) else moved
+report(f"RANK {{rank}} REL {{rel:.3e}} CHANGE {{change:.3e}} LOSS {{ms['loss'][0]:.6f}} {{mt['loss'][0]:.6f}} MOVED {{moved}}")
 finish()
 """
 
 
-def test_two_ranks_equal_stock(tmp_path):
+@pytest.mark.parametrize("balance", ["auto", "off"])
+def test_two_ranks_equal_stock(tmp_path, balance):
     from forkrl.core.testing.models import byte_llama, byte_tokenizer, save_pretrained
 
     path = save_pretrained(byte_llama(0), byte_tokenizer(), tmp_path / "model")
     script = tmp_path / "ranks.py"
     script.write_text(_SCRIPT.format(root=str(ROOT)))
-    lines = rank_lines(torchrun(script, path, cwd=ROOT).stdout)
+    lines = rank_lines(torchrun(script, path, balance, cwd=ROOT).stdout)
     assert len(lines) == 2, lines
     for line in lines:
         fields = line.split()
         assert float(fields[3]) < 1e-4 and float(fields[5]) > 0, line
         assert abs(float(fields[7]) - float(fields[8])) < 1e-4 * max(1.0, abs(float(fields[7]))), line
+        moved = float(fields[10])
+        assert moved > 0 if balance == "auto" else moved == -1, line  # auto moved rows; off left them
