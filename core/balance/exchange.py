@@ -62,25 +62,33 @@ def rebalance(
     sequence: Callable[[R], tuple[list[int], int]],
     model: CostModel | None = None,
     group=None,
+    equal_rows: bool = True,
+    min_rows: int = 1,
 ) -> Rebalanced:
-    """Gather every rank's ``rows``, plan, and return this rank's share (equal row counts per rank).
+    """Gather every rank's ``rows``, plan, and return this rank's share.
 
     Args:
-        rows: this rank's rows (every rank must hold the same number).
+        rows: this rank's rows (with ``equal_rows``, every rank must hold the same number).
         sequence: a row's ``(tokens, score_from)``: what the balancer prices.
         model: the cost model (default: one unit per token).
         group: the data-parallel process group (default: the world).
+        equal_rows: every rank keeps its number of rows (hosts whose ranks must hold equal row
+            counts); False: any number per rank, at least one (hosts whose loss normalisation and
+            collectives do not depend on a rank's row count).
+        min_rows: without ``equal_rows``, the fewest rows a rank may get (a host that keeps its
+            micro-batch count needs one row per micro-batch); a plan that gives a rank fewer is
+            replaced by the equal-rows plan when the ranks hold equal counts, else by no move.
 
     Raises:
-        ValueError: on every rank, when the ranks hold different numbers of rows (before anything
-            moved).
+        ValueError: on every rank, when ``equal_rows`` and the ranks hold different numbers of rows
+            (before anything moved).
     """
     start = time.perf_counter()
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, list(rows), group=group)
     counts = [len(part) for part in gathered]
-    if len(set(counts)) != 1:
+    if equal_rows and len(set(counts)) != 1:
         raise ValueError(
             f"tree_balance needs the same number of rows on every data-parallel rank, got {counts}: set "
             "tree_balance='off', or make the per-rank batch sizes equal"
@@ -88,14 +96,17 @@ def rebalance(
     flat = [row for part in gathered for row in part]
     seqs = [sequence(row) for row in flat]
     trees = trees_of_forest(PrefixForest.build([s for s, _ in seqs], [f for _, f in seqs]))
-    per_rank = counts[0]
-    original = [list(range(r * per_rank, (r + 1) * per_rank)) for r in range(world)]
+    starts = [sum(counts[:r]) for r in range(world)]
+    original = [list(range(starts[r], starts[r] + counts[r])) for r in range(world)]
+    home = {s: r for r, ids in enumerate(original) for s in ids}
     before = evaluate(trees, original, model)
-    plan = balance(trees, world, model, rows_per_rank=per_rank)
+    plan = balance(trees, world, model, rows_per_rank=counts[0] if equal_rows else None)
+    if not equal_rows and any(len(ids) < max(min_rows, 1) for ids in plan.ranks):
+        plan = balance(trees, world, model, rows_per_rank=counts[0]) if len(set(counts)) == 1 else before
     if plan.makespan >= before.makespan:  # nothing to gain: keep the rows where they are
         plan = before
     where = {s: r for r, ids in enumerate(plan.ranks) for s in ids}
-    moved = sum(1 for s in range(len(flat)) if where[s] != s // per_rank)
+    moved = sum(1 for s in range(len(flat)) if where[s] != home[s])
     return Rebalanced(
         rows=[flat[s] for s in plan.ranks[rank]],
         moved=moved,

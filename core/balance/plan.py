@@ -32,8 +32,12 @@ from .cost import CostModel, PieceStats
 
 __all__ = ["BalancePlan", "Tree", "balance", "evaluate", "forest_stats", "rows_bound", "trees_of_forest"]
 
-#: A tree costing more than this fraction of a rank's fair share is cut into pieces.
-SPLIT_SHARE = 1.0
+#: A tree costing more than a fraction of a rank's fair share is cut into pieces: the plan is made
+#: at the first fraction, and at the next ones while its slowest rank is more than
+#: ``RETRY_ABOVE`` times the lower bound (finer pieces fill ranks more evenly, but each piece
+#: pays for its own prefix); the best plan is kept.
+SPLIT_SHARES = (1.0, 0.75, 0.5)
+RETRY_ABOVE = 1.02
 
 
 @dataclass
@@ -192,13 +196,13 @@ def _cut(tree: Tree, nodes: list[float], parts: int) -> list[list[int]]:
 
 
 def _pieces(
-    trees: Sequence[Tree], nodes_of: Sequence[list[float]], num_ranks: int
+    trees: Sequence[Tree], nodes_of: Sequence[list[float]], num_ranks: int, share: float
 ) -> tuple[list[tuple[int, list[int]]], int]:
     whole = [sum(nodes) for nodes in nodes_of]
     fair = sum(whole) / num_ranks
     pieces, split = [], 0
     for i, tree in enumerate(trees):
-        parts = min(len(tree.ids), math.ceil(whole[i] / (fair * SPLIT_SHARE))) if fair > 0 else 1
+        parts = min(len(tree.ids), math.ceil(whole[i] / (fair * share))) if fair > 0 else 1
         if parts > 1:
             split += 1
             pieces.extend((i, run) for run in _cut(tree, nodes_of[i], parts))
@@ -236,54 +240,73 @@ def balance(
             "same number of rows, so the step's rows must divide evenly"
         )
     nodes_of = [t.node_costs(model) for t in trees]
-    pieces, split = _pieces(trees, nodes_of, num_ranks)
+    plan = None
+    for share in SPLIT_SHARES:
+        candidate = _plan(trees, nodes_of, model, num_ranks, rows_per_rank, share)
+        if plan is None or candidate.makespan < plan.makespan:
+            plan = candidate
+        if plan.makespan_ratio <= RETRY_ABOVE:
+            break
+    plan.seconds = time.perf_counter() - start
+    return plan
+
+
+def _plan(
+    trees: Sequence[Tree],
+    nodes_of: Sequence[list[float]],
+    model: CostModel,
+    num_ranks: int,
+    rows_per_rank: int | None,
+    share: float,
+) -> BalancePlan:
+    """One plan: the trees cut at ``share`` of a rank's fair share, placed largest first, refined."""
+    total_rows = sum(len(t.ids) for t in trees)
+    pieces, split = _pieces(trees, nodes_of, num_ranks, share)
     capacity = [rows_per_rank if rows_per_rank is not None else total_rows] * num_ranks
     cost = {id(p): trees[p[0]].piece_cost(nodes_of[p[0]], p[1]) for p in pieces}
     queue = deque(sorted(pieces, key=lambda p: -cost[id(p)]))
     loads = [0.0] * num_ranks
     assigned: list[list[tuple[int, list[int]]]] = [[] for _ in range(num_ranks)]
-    heap = [(0.0, r) for r in range(num_ranks)]
+    # Ranks with room, in heaps of (load, rank) by their free rows (one heap without a row limit):
+    # the least-loaded rank with room for a piece is the best top of at most rows_per_rank heaps;
+    # a full rank leaves them.
+    free = (lambda r: capacity[r]) if rows_per_rank is not None else (lambda r: total_rows)
+    heaps: dict[int, list[tuple[float, int]]] = {free(0): [(0.0, r) for r in range(num_ranks)]}
     while queue:
         piece = queue.popleft()
         rows = len(piece[1])
-        skipped = []
-        while heap and capacity[heap[0][1]] < rows:
-            skipped.append(heapq.heappop(heap))
-        if not heap:  # no rank has room for the whole piece: split off what the emptiest can take
-            for item in skipped:
-                heapq.heappush(heap, item)
-            r = max(range(num_ranks), key=lambda q: (capacity[q], -loads[q]))
+        fits = [c for c, heap in heaps.items() if heap and c >= rows]
+        if not fits:  # no rank has room for the whole piece: split off what the emptiest can take
+            r = heaps[max(c for c, heap in heaps.items() if heap)][0][1]
             head, tail = (piece[0], piece[1][: capacity[r]]), (piece[0], piece[1][capacity[r] :])
             cost[id(head)] = trees[head[0]].piece_cost(nodes_of[head[0]], head[1])
             cost[id(tail)] = trees[tail[0]].piece_cost(nodes_of[tail[0]], tail[1])
             queue.appendleft(tail)
             queue.appendleft(head)
             continue
-        load, r = heapq.heappop(heap)
-        for item in skipped:
-            heapq.heappush(heap, item)
+        load, r = heapq.heappop(heaps[min(fits, key=lambda c: heaps[c][0])])
         assigned[r].append(piece)
         capacity[r] -= rows
         loads[r] = load + cost[id(piece)]
-        if (
-            capacity[r] > 0
-        ):  # a full rank leaves the heap: popping it past every later piece is the cost at scale
-            heapq.heappush(heap, (loads[r], r))
-    _refine(assigned, loads, cost)
+        if capacity[r] > 0:
+            heapq.heappush(heaps.setdefault(free(r), []), (loads[r], r))
+    _refine(assigned, loads, cost, same_rows=rows_per_rank is not None)
     plan = evaluate(trees, _ids(trees, assigned), model, nodes_of)
     plan.split_trees, plan.pieces = split, pieces
-    plan.seconds = time.perf_counter() - start
     return plan
 
 
-def _refine(assigned, loads, cost) -> None:
-    """Swap pieces of equal row counts between the most loaded rank and another while that lowers
-    the slowest rank (row counts per rank are unchanged; ``assigned`` and ``loads`` are updated).
+def _refine(assigned, loads, cost, same_rows: bool = True) -> None:
+    """Swap pieces between the most loaded rank and another while that lowers the slowest rank
+    (``assigned`` and ``loads`` are updated). ``same_rows``: only pieces of equal row counts swap,
+    so every rank keeps its row count; otherwise any two pieces swap, and a piece may also move to
+    the least-loaded rank alone.
 
     Each round takes, over every piece of every other rank, the swap that lowers the larger of the
     two loads the most: a piece of the top rank swapped with one ``delta`` cheaper on a rank ``gap``
-    below gains ``min(delta, gap - delta)``. The search is one vectorised pass over all pieces per
-    piece of the top rank (thousands of ranks: milliseconds per round).
+    below gains ``min(delta, gap - delta)`` (a move is a swap with nothing: ``delta`` is the piece's
+    cost). The search is one vectorised pass over all pieces per piece of the top rank (thousands
+    of ranks: milliseconds per round).
     """
     flat = [p for pieces in assigned for p in pieces]
     if not flat:
@@ -298,18 +321,28 @@ def _refine(assigned, loads, cost) -> None:
         gap = top_load - load[rank]
         others = rank != top
         best, best_gain = None, 1e-12 * top_load
+        lightest = int(torch.argmin(load))
         for a in (rank == top).nonzero()[:, 0].tolist():
             delta = price[a] - price
             gain = torch.minimum(delta, gap - delta)
-            gain = torch.where(others & (delta > 0) & (rows == rows[a]), gain, -math.inf)
+            allowed = others & (delta > 0) & ((rows == rows[a]) if same_rows else True)
+            gain = torch.where(allowed, gain, -math.inf)
             b = int(torch.argmax(gain))
             if float(gain[b]) > best_gain:
                 best, best_gain = (a, b), float(gain[b])
+            if not same_rows and lightest != top:  # the piece alone to the lightest rank
+                moved = min(float(price[a]), top_load - float(load[lightest]) - float(price[a]))
+                if moved > best_gain:
+                    best, best_gain = (a, None), moved
         if best is None:
             break
         a, b = best
-        q, delta = int(rank[b]), float(price[a] - price[b])
-        rank[a], rank[b] = q, top
+        if b is None:
+            q, delta = lightest, float(price[a])
+            rank[a] = q
+        else:
+            q, delta = int(rank[b]), float(price[a] - price[b])
+            rank[a], rank[b] = q, top
         load[top] -= delta
         load[q] += delta
     for r in range(len(assigned)):

@@ -5,15 +5,19 @@ and every rank trains its chunk mini-batch by mini-batch; length balancing sprea
 over ranks, each of which then computes its shared prompt, and a rank holding the groups that
 share the least still trains longest while the others wait at FSDP's reduce-scatter. At each
 mini-batch (an optimizer step), before the tree step, every rank splits its mini-batch into rows,
-:func:`forkrl.core.balance.rebalance` gathers them, plans over the dp group (groups kept whole,
-equal rows per rank) and hands each rank its share, and the rows are collated back into one
+:func:`forkrl.core.balance.rebalance` gathers them, plans over the dp group (groups kept whole;
+a rank's row count may change: nothing in veRL's engine needs equal counts) and hands each rank
+its share, and the rows are collated back into one
 mini-batch in veRL's layout (nested fields re-nested; in the left-right padded layout prompts
 left-padded and per-token fields right-padded to the widest row over the ranks).
 
 The update is veRL's own: the mini-batch's rows are the same set over the dp group, and veRL's
 loss normalises every term by mini-batch-global counts (``agg_loss`` with ``dp_size``,
 ``batch_num_tokens`` and ``global_batch_size``), so any regrouping of the rows gives the same
-gradient. :func:`unsafe_reason` names the losses for which that does not hold (``auto`` leaves
+gradient, whichever rank holds how many of them (FSDP averages the ranks' gradients, and each
+rank's loss is scaled by ``dp_size``). With a fixed micro-batch size, a rank whose new row count
+is not the old one trains as many micro-batches as before, of nearly equal sizes (veRL's metrics
+aggregate per micro-batch over the ranks; the grouping does not enter these losses). :func:`unsafe_reason` names the losses for which that does not hold (``auto`` leaves
 their rows in place, ``on`` refuses them). The per-micro-batch metrics veRL averages (clip
 fractions, ``ppo_kl``) follow the new grouping; the logged loss does not change.
 """
@@ -138,7 +142,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def balance_mini_batch(
-    data: TensorDict, model: CostModel | None, group=None
+    data: TensorDict, model: CostModel | None, group=None, min_rows: int = 1
 ) -> tuple[TensorDict, Rebalanced]:
     """This rank's mini-batch after rebalancing over the dp ``group``: the plan's rows, in veRL's
     layout, with the batch's non-tensor fields (layout-derived ones recomputed). Every rank of the
@@ -149,6 +153,7 @@ def balance_mini_batch(
         data: this rank's mini-batch, ``batch_size [B]`` (every rank the same ``B``).
         model: the cost model the plan prices trees with (None: tokens).
         group: the data-parallel process group.
+        min_rows: the fewest rows a rank may get (one per micro-batch it trains).
     """
     import torch.distributed as dist
 
@@ -169,7 +174,7 @@ def balance_mini_batch(
             f"tree_balance: the dp ranks' mini-batches differ in {differ} (beyond their rows), so rows cannot move "
             "between them: set forkrl.tree_balance: off"
         )
-    result = rebalance(rows, _sequence, model, group=group)
+    result = rebalance(rows, _sequence, model, group=group, equal_rows=False, min_rows=min_rows)
     widths = {k: max(w[k] for _, _, w, _ in gathered) for k in widths}  # the widest over the ranks
     out = _collate(result.rows, nested, widths)
     for key, value in shared.items():

@@ -21,6 +21,7 @@ __all__ = [
     "check",
     "global_batch_info",
     "micro_batches",
+    "micro_batches_of_any_size",
     "non_tensor",
     "postprocess",
     "prompt_lengths",
@@ -199,6 +200,25 @@ def micro_batches(engine, data):
     return prepare_micro_batches(
         data=data, dp_group=engine.get_data_parallel_group(), same_micro_num_in_dp=True
     )
+
+
+def micro_batches_of_any_size(engine, data, count: int):
+    """:func:`micro_batches`, for a rank whose row count the balancer changed: with a fixed
+    micro-batch size, ``count`` consecutive chunks of nearly equal sizes (every rank keeps the
+    micro-batch count it came with: veRL's metrics aggregate per micro-batch over the dp ranks;
+    only where the loss does not depend on the grouping, :mod:`forkrl.plugins.verl.balance`)."""
+    from verl.utils import tensordict_utils as tu
+
+    size = int(tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=0) or 0)
+    dynamic = tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True)
+    rows = len(data)
+    if dynamic or size <= 0 or rows == count * size:
+        return micro_batches(engine, data)
+    if not 1 <= count <= rows:
+        raise ValueError(f"tree_balance: {rows} rows cannot fill {count} micro-batches")
+    bounds = [rows * i // count for i in range(count + 1)]
+    chunks = [list(range(a, b)) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [tu.index_select_tensor_dict(data, chunk) for chunk in chunks], None
 
 
 def postprocess(output_lst, indices, data):

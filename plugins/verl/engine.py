@@ -69,11 +69,15 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
         self._refuse(data)
         balanced = None
+        count = _micro_batch_count(data)
         if not forward_only and self._balancing(data):  # the mini-batch's rows over the ranks by tree cost
             group = self.get_data_parallel_group()
-            data, balanced = balance_mini_batch(data, self._cost_model.model, group=group)
+            data, balanced = balance_mini_batch(data, self._cost_model.model, group=group, min_rows=count)
         compat.global_batch_info(self, data)
-        micro_batches, indices = compat.micro_batches(self, data)
+        if balanced is None:
+            micro_batches, indices = compat.micro_batches(self, data)
+        else:
+            micro_batches, indices = compat.micro_batches_of_any_size(self, data, count)
         micro_batches = [mb.to(get_device_id()) for mb in micro_batches]  # as stock forward_step does
         layouts = [_layout(mb) for mb in micro_batches]
         step = self._step(micro_batches)
@@ -194,6 +198,14 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                 f"forkrl's tree engine cannot run exactly with {', '.join(problems)}: turn it off, or set "
                 "forkrl.tree_packing=false to use veRL's own engine"
             )
+
+
+def _micro_batch_count(data) -> int:
+    """The fixed-size micro-batch count of this rank's mini-batch (1 under dynamic batching)."""
+    size = int(compat.non_tensor(data, "micro_batch_size_per_gpu", 0) or 0)
+    if compat.non_tensor(data, "use_dynamic_bsz", True) or size <= 0:
+        return 1
+    return max(len(data) // size, 1)
 
 
 def _layout(micro_batch) -> RowLayout:

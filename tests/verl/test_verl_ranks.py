@@ -18,12 +18,25 @@ sys.path.insert(0, {root!r})
 import torch, torch.distributed as dist
 from tests.verl import harness as h
 from forkrl.core.testing.ranks import finish, report
+import forkrl.plugins.verl.engine as engine
+rows_after = []
+def spy(*args, **kwargs):  # this rank's row count after each rebalancing
+    out, result = balance_mini_batch(*args, **kwargs)
+    rows_after.append(len(out))
+    return out, result
+balance_mini_batch, engine.balance_mini_batch = engine.balance_mini_batch, spy
 rank = dist.get_rank()
 path = sys.argv[1]
-if rank == 0:  # two GRPO groups (two trees: the second's opening differs)
+g = torch.Generator().manual_seed(7)
+if sys.argv[3] == "uneven":  # rank 0 one cheap group of 8, rank 1 eight costly rows: counts should change
+    if rank == 0:
+        prompt = torch.randint(0, 250, (12,), generator=g).tolist()
+        rollouts = [(prompt, torch.randint(0, 250, (2 + k % 3,), generator=g).tolist()) for k in range(8)]
+    else:
+        rollouts = [([k] + torch.randint(0, 250, (30,), generator=g).tolist(), torch.randint(0, 250, (3,), generator=g).tolist()) for k in range(8)]
+elif rank == 0:  # two GRPO groups (two trees: the second's opening differs)
     rollouts = [(p if i < 4 else [251] + p[1:], r) for i, (p, r) in enumerate(h.rows(seed=0))]
 else:  # nothing shared between rows, and longer: the costlier rank, until rows move
-    g = torch.Generator().manual_seed(7)
     rollouts = [([k] + torch.randint(0, 250, (11 + k % 3,), generator=g).tolist(), torch.randint(0, 250, (2 + k % 4,), generator=g).tolist()) for k in range(8)]
 stock = h.worker(path, h.actor_config(None, ppo_mini_batch_size=16))
 tree = h.worker(path, h.actor_config({{"tree_packing": True, "tree_balance": sys.argv[2]}}, ppo_mini_batch_size=16))
@@ -37,23 +50,32 @@ change = max((b[n] - init[n]).abs().max().item() for n in b)
 rel = max((a[n] - b[n]).abs().max().item() for n in b) / change
 moved = mt.get("tree/balance_moved_rows", [-1])
 moved = moved[0] if isinstance(moved, list) else moved
-report(f"RANK {{rank}} REL {{rel:.3e}} CHANGE {{change:.3e}} LOSS {{ms['loss'][0]:.6f}} {{mt['loss'][0]:.6f}} MOVED {{moved}}")
+counts = ",".join(map(str, rows_after)) or "-"
+report(f"RANK {{rank}} REL {{rel:.3e}} CHANGE {{change:.3e}} LOSS {{ms['loss'][0]:.6f}} {{mt['loss'][0]:.6f}} MOVED {{moved}} ROWS {{counts}}")
 finish()
 """
 
 
-@pytest.mark.parametrize("balance", ["auto", "off"])
-def test_two_ranks_equal_stock(tmp_path, balance):
+@pytest.mark.parametrize("balance,shape", [("auto", "skewed"), ("off", "skewed"), ("on", "uneven")])
+def test_two_ranks_equal_stock(tmp_path, balance, shape):
+    """Stock's update with and without the balancer; in ``uneven`` the plan changes the ranks' row
+    counts, and each rank still trains 4 micro-batches (of unequal sizes)."""
     from forkrl.core.testing.models import byte_llama, byte_tokenizer, save_pretrained
 
     path = save_pretrained(byte_llama(0), byte_tokenizer(), tmp_path / "model")
     script = tmp_path / "ranks.py"
     script.write_text(_SCRIPT.format(root=str(ROOT)))
-    lines = rank_lines(torchrun(script, path, balance, cwd=ROOT).stdout)
+    lines = rank_lines(torchrun(script, path, balance, shape, cwd=ROOT).stdout)
     assert len(lines) == 2, lines
     for line in lines:
         fields = line.split()
         assert float(fields[3]) < 1e-4 and float(fields[5]) > 0, line
         assert abs(float(fields[7]) - float(fields[8])) < 1e-4 * max(1.0, abs(float(fields[7]))), line
         moved = float(fields[10])
-        assert moved > 0 if balance == "auto" else moved == -1, line  # auto moved rows; off left them
+        assert moved > 0 if balance != "off" else moved == -1, line  # auto moved rows; off left them
+    counts = [line.split()[-1] for line in lines]
+    if shape == "uneven":
+        first = [int(c.split(",")[0]) for c in counts]
+        assert sum(first) == 16 and first[0] != first[1], counts
+    elif balance == "off":
+        assert counts == ["-", "-"], counts
