@@ -10,7 +10,8 @@ DeepSpeed's reduction; ``auto`` moves each window's rows by tree cost first (gro
 equal rows per rank; the cost model is fitted online, from the 8th sample on). One trainer per
 setting, the same weights; the settings alternate step by step. Step time = the slowest rank's wall
 time of ``ppo_train`` from a barrier; median of ``--reps`` after one warm-up. The two updates are
-the same (OpenRLHF's global normalisers): the parameters are compared. Prints a table, then one
+the same (OpenRLHF's global normalisers): the parameters are compared (largest difference over
+the largest change). Prints a table, then one
 line of JSON. Runs in OpenRLHF's environment:
 
     .venv-openrlhf/bin/python -m benchmarks.openrlhf_balance            # tiny Llama, a few minutes
@@ -64,6 +65,7 @@ def rank_main(args) -> None:
         return h.trainer(h.parse_args(argv), tree=True, model=model, lr=1.0)
 
     trainers = {s: build(s) for s in SETTINGS}
+    init = h.parameters(trainers["off"])
     times: dict = {s: [] for s in SETTINGS}
     moved: dict = {}
     for rep in range(args.reps + 1):
@@ -83,9 +85,8 @@ def rank_main(args) -> None:
             moved[s] = status.get("tree/balance_moved_rows")
     params = {s: h.parameters(trainers[s]) for s in SETTINGS}
     base = params["off"]
-    agreement = max((params["auto"][n] - base[n]).abs().max().item() for n in base) / max(
-        p.abs().max().item() for p in base.values()
-    )
+    change = max((base[n] - init[n]).abs().max().item() for n in base)
+    agreement = max((params["auto"][n] - base[n]).abs().max().item() for n in base) / change
     out = {
         "rank": rank,
         "step_s": {s: statistics.median(times[s]) for s in SETTINGS},

@@ -12,7 +12,8 @@ prompt). Each rank trains them with forkrl's ``fsdp2_tree`` engine through veRL'
 model is fitted online, from the 8th sample on). One worker per configuration, the same weights;
 the configurations alternate step by step. Step time = the slowest rank's wall time of
 ``train_mini_batch`` from a barrier; median of ``--reps`` after one warm-up. The three updates are
-the same (one mini-batch per step, veRL's global normalisation): the parameters are compared.
+the same (one mini-batch per step, veRL's global normalisation): the parameters are compared
+(largest difference over the largest change).
 
     .venv-verl/bin/python -m benchmarks.verl_balance                   # tiny Llama, a few minutes
     .venv-verl/bin/python -m benchmarks.verl_balance --P-long 128 --P-short 16 --R 16 --reps 1
@@ -119,6 +120,7 @@ def rank_main(args) -> None:
         workers = {c: h.worker(path, actor(c[1]), lr=1.0) for c in CONFIGS}
         assert all(type(w.engine).__name__ == "TreeFSDPEngineWithLMHead" for w in workers.values())
         dist.barrier()
+    init = h.parameters(workers[CONFIGS[0]])
     split = splits(rollouts, world)
     batches = {c: rank_batch(rollouts, split[c[0]][rank]) for c in CONFIGS}
     times: dict = {c: [] for c in CONFIGS}
@@ -136,9 +138,10 @@ def rank_main(args) -> None:
             moved[c] = value[0] if isinstance(value, list) else value
     params = {c: h.parameters(workers[c]) for c in CONFIGS}
     base = params[CONFIGS[0]]
-    agreement = max(
-        max((params[c][n] - base[n]).abs().max().item() for n in base) for c in CONFIGS[1:]
-    ) / max(p.abs().max().item() for p in base.values())
+    change = max((base[n] - init[n]).abs().max().item() for n in base)
+    agreement = (
+        max(max((params[c][n] - base[n]).abs().max().item() for n in base) for c in CONFIGS[1:]) / change
+    )
     out = {
         "rank": rank,
         "rows": {f"{s} / {b}": split[s][rank] for s, b in CONFIGS},

@@ -47,3 +47,27 @@ def test_zero3_comm_benchmark_tree_moves_less_than_stock():
     assert res["benchmark"] == "zero3_comm" and tree["path"] == "tree"
     assert abs(tree["over_model"] - 2.0) < 0.01 and tree["total_mib"] < stock["total_mib"]
     assert all(abs(a - b) < 1e-6 for a, b in res["losses"])
+
+
+def test_openrlhf_balance_benchmark_runs():
+    """benchmarks/openrlhf_balance.py on 2 gloo ranks, small shapes: rows move, the updates agree."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.openrlhf_balance",
+        "--P-long",
+        "96",
+        "--P-short",
+        "8",
+        "--R",
+        "8",
+    ]
+    out = subprocess.run(
+        cmd + ["--reps", "1"], capture_output=True, text=True, timeout=600, cwd=ROOT, env=clean_env()
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert any(line.startswith("| auto") for line in lines)
+    res = json.loads(lines[-1])
+    assert res["benchmark"] == "openrlhf_balance" and res["param_agreement"] < 1e-4
+    assert res["ranks"][0]["moved_rows"]["auto"] > 0

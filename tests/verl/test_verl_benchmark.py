@@ -46,5 +46,5 @@ def test_verl_balance_benchmark_runs():
     lines = out.stdout.strip().splitlines()
     assert any(line.startswith("| veRL length / auto") for line in lines)
     res = json.loads(lines[-1])
-    assert res["benchmark"] == "verl_balance" and res["param_agreement"] < 1e-5
+    assert res["benchmark"] == "verl_balance" and res["param_agreement"] < 1e-4
     assert res["ranks"][0]["moved_rows"]["veRL length / auto"] > 0
