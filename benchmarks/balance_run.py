@@ -24,11 +24,7 @@ import json
 import os
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def step_rows(args, vocab: int) -> tuple[list[list[int]], list[int]]:
@@ -119,16 +115,9 @@ def rank_main(args) -> None:
 
 def launch(args) -> None:
     """Start ``--ranks`` ranks of this script (torchrun) and print their joint table and JSON."""
-    from benchmarks.common import machine, print_table
-    from forkrl.core.testing.ranks import torchrun
+    from benchmarks.common import machine, print_table, run_ranks
 
-    proc = torchrun(
-        "benchmarks.balance_run", *sys.argv[1:], nproc=args.ranks, timeout=3600, cwd=REPO, module=True,
-        FORKRL_BALANCE_RUN_RANK="1",
-    )  # fmt: skip
-    results = [
-        json.loads(line[len("RESULT ") :]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")
-    ]
+    results = run_ranks("benchmarks.balance_run", "FORKRL_BALANCE_RUN_RANK", ranks=args.ranks)
     r0 = results[0]
     rows = [
         {

@@ -6,8 +6,11 @@ Models, sizes and FLOP counts are in :mod:`forkrl.core.testing.models`; memory m
 
 from __future__ import annotations
 
+import json
 import platform
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -15,6 +18,29 @@ try:
     import psutil
 except ImportError:  # pragma: no cover - psutil is in the dev extra
     psutil = None
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_ranks(module: str, env_flag: str, ranks: int = 2, timeout: float = 3600) -> list[dict]:
+    """Run ``python -m module`` (this process's command line) on ``ranks`` gloo ranks, ``env_flag``
+    set so the module runs its rank part; every rank's ``RESULT {json}`` record, in rank order.
+
+    Raises:
+        SystemExit: when not every rank reported (with the end of the ranks' output).
+    """
+    from forkrl.core.testing.ranks import torchrun
+
+    proc = torchrun(
+        module, *sys.argv[1:], nproc=ranks, timeout=timeout, cwd=REPO, module=True, **{env_flag: "1"}
+    )
+    results = [
+        json.loads(line[len("RESULT ") :]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")
+    ]
+    if len(results) != ranks:
+        raise SystemExit(f"{module}: expected {ranks} rank results, got:\n{proc.stdout[-3000:]}")
+    return results
 
 
 def machine() -> dict:

@@ -99,18 +99,9 @@ def rank_main(args) -> None:
 
 
 def launch(args) -> None:
-    from benchmarks.common import machine, print_table
-    from forkrl.core.testing.ranks import torchrun
+    from benchmarks.common import machine, print_table, run_ranks
 
-    proc = torchrun(
-        "benchmarks.openrlhf_balance", *sys.argv[1:], nproc=2, timeout=3600, cwd=REPO, module=True,
-        FORKRL_OPENRLHF_BALANCE_RANK="1",
-    )  # fmt: skip
-    results = [
-        json.loads(line[len("RESULT ") :]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")
-    ]
-    if len(results) != 2:
-        raise SystemExit(f"benchmarks.openrlhf_balance: expected 2 rank results, got:\n{proc.stdout[-3000:]}")
+    results = run_ranks("benchmarks.openrlhf_balance", "FORKRL_OPENRLHF_BALANCE_RANK")
     r0 = results[0]
     rows = [
         {

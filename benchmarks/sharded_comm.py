@@ -131,14 +131,6 @@ def rank_main(args) -> None:
     finish()
 
 
-def run_ranks(module: str, env_flag: str) -> list[dict]:
-    """Run ``python -m module`` (this command line) on 2 gloo ranks; every rank's RESULT record."""
-    from forkrl.core.testing.ranks import torchrun
-
-    proc = torchrun(module, *sys.argv[1:], nproc=2, timeout=1800, cwd=REPO, module=True, **{env_flag: "1"})
-    return [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-
-
 def table_rows(record: dict, paths: tuple[str, ...]) -> list[dict]:
     """One table row per path of a rank's RESULT record: calls / MiB per kind, the total, x model."""
     rows = []
@@ -156,7 +148,7 @@ def table_rows(record: dict, paths: tuple[str, ...]) -> list[dict]:
 
 
 def launch(args) -> None:
-    from benchmarks.common import machine, print_table
+    from benchmarks.common import machine, print_table, run_ranks
 
     results = run_ranks("benchmarks.sharded_comm", "FORKRL_SHARDED_COMM_RANK")
     r0 = results[0]

@@ -26,12 +26,10 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
 CONFIGS = (("in order", "off"), ("veRL length", "off"), ("veRL length", "auto"))
 
 
@@ -155,18 +153,9 @@ def rank_main(args) -> None:
 
 def launch(args) -> None:
     """Start 2 ranks of this script (torchrun) and print their table and JSON."""
-    from benchmarks.common import machine, print_table
-    from forkrl.core.testing.ranks import torchrun
+    from benchmarks.common import machine, print_table, run_ranks
 
-    proc = torchrun(
-        "benchmarks.verl_balance", *sys.argv[1:], nproc=2, timeout=3600, cwd=REPO, module=True,
-        FORKRL_VERL_BALANCE_RANK="1",
-    )  # fmt: skip
-    results = [
-        json.loads(line[len("RESULT ") :]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")
-    ]
-    if len(results) != 2:
-        raise SystemExit(f"benchmarks.verl_balance: expected 2 rank results, got:\n{proc.stdout[-3000:]}")
+    results = run_ranks("benchmarks.verl_balance", "FORKRL_VERL_BALANCE_RANK")
     r0 = results[0]
     names = [f"{s} / {b}" for s, b in CONFIGS]
     base = r0["step_s"][names[1]]  # veRL's own length balancing, rows left there

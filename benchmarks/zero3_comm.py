@@ -74,8 +74,8 @@ def rank_main(args) -> None:
 
 
 def launch(args) -> None:
-    from benchmarks.common import machine, print_table
-    from benchmarks.sharded_comm import KINDS, run_ranks, table_rows
+    from benchmarks.common import machine, print_table, run_ranks
+    from benchmarks.sharded_comm import KINDS, table_rows
 
     results = run_ranks("benchmarks.zero3_comm", "FORKRL_ZERO3_COMM_RANK")
     r0 = results[0]
