@@ -122,9 +122,13 @@ class OnlineCostModel:
         self.samples: list[tuple[PieceStats, float]] = []
         self._fitted: CostModel | None = None
 
-    def observe(self, stats: PieceStats, seconds: float, group=None) -> None:
+    def observe(self, stats: PieceStats, seconds: float, group=None) -> list[float]:
         """Add this rank's step (its pieces' summed shape and measured seconds); a collective when
-        ``torch.distributed`` is initialised: every rank of ``group`` calls it once per step."""
+        ``torch.distributed`` is initialised: every rank of ``group`` calls it once per step.
+
+        Returns:
+            every rank's measured seconds of this step, in rank order.
+        """
         import torch.distributed as dist
 
         mine = (stats.features(), float(seconds))
@@ -136,6 +140,7 @@ class OnlineCostModel:
         self.samples.extend((PieceStats(*f), s) for f, s in gathered)
         del self.samples[: -self.max_samples]
         self._fitted = None
+        return [s for _, s in gathered]
 
     @property
     def fitted(self) -> bool:

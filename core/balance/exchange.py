@@ -47,14 +47,26 @@ class Rebalanced:
     lower_bound: float
     seconds: float
 
-    def metrics(self, prefix: str = "tree/") -> dict[str, float]:
-        """``tree/balance_*`` scalars for a host's logger."""
-        return {
+    def metrics(self, prefix: str = "tree/", measured: list[float] | None = None) -> dict[str, float]:
+        """``tree/balance_*`` scalars for a host's logger (the same on every rank).
+
+        ``balance_predicted_makespan`` is the plan's slowest rank in the cost model's units
+        (seconds once the model is fitted); with ``measured`` (every rank's measured seconds of
+        the step, from :meth:`OnlineCostModel.observe`), ``balance_measured_makespan`` is the
+        slowest rank's and ``balance_measured_imbalance`` the slowest over the mean (1.0: no rank
+        waits)."""
+        out = {
             f"{prefix}balance_moved_rows": float(self.moved),
             f"{prefix}balance_predicted_gain": self.predicted_before / max(self.predicted_after, 1e-30),
             f"{prefix}balance_makespan_ratio": self.predicted_after / max(self.lower_bound, 1e-30),
+            f"{prefix}balance_predicted_makespan": self.predicted_after,
             f"{prefix}balance_time": self.seconds,
         }
+        if measured:
+            slowest = max(measured)
+            out[f"{prefix}balance_measured_makespan"] = slowest
+            out[f"{prefix}balance_measured_imbalance"] = slowest / max(sum(measured) / len(measured), 1e-30)
+        return out
 
 
 def rebalance(

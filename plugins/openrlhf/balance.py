@@ -3,14 +3,16 @@
 Each rank's replay buffer holds its share of the rollouts, shuffled; a rank whose window holds the
 long prompts (or shares the least) trains longest while the others wait at DeepSpeed's reduction.
 At a window's first micro-batch, before the tree step, each rank splits its window's micro-batches
-into rows, :func:`forkrl.core.balance.rebalance` gathers them, plans (groups kept whole, equal rows
-per rank) and hands each rank its share, and the rows are collated back into micro-batches of the
-original sizes in OpenRLHF's layout (``[left-padded prompt | right-padded response]``, per-token
+into rows, :func:`forkrl.core.balance.rebalance` gathers them, plans (groups kept whole; a rank's
+row count may change) and hands each rank its share, and the rows are collated back into as many
+micro-batches as the rank had (every rank issues DeepSpeed's per-micro-batch steps in lockstep),
+of nearly equal sizes, in OpenRLHF's layout (``[left-padded prompt | right-padded response]``, per-token
 fields over the last ``num_actions`` columns).
 
 The update is OpenRLHF's own: with fixed micro-batches every loss term (``PolicyLoss``, KL,
 entropy, through ``aggregate_loss``) is a per-row sum over the window's global token or sequence
-count, the same on every rank and for any grouping of the window's rows. Refused (``on``) or left
+count, the same on every rank and for any grouping of the window's rows, whichever rank holds how
+many of them. Refused (``on``) or left
 alone (``auto``): the MoE router loss (a mean over each micro-batch) and dynamic batching (windows
 of different lengths per rank); see :func:`forkrl.plugins.openrlhf.options.balance_setting`. The logged ``policy_loss`` and ``entropy_loss`` are per-micro-batch
 values weighted by their token counts, so they follow the new grouping; per-row figures (reward,
@@ -107,13 +109,16 @@ def _collate(rows: list[dict[str, Any]], device) -> Experience:
 def balance_window(
     window: list[tuple[Experience, Any]], device, model: CostModel | None = None
 ) -> tuple[list[tuple[Experience, Any]], Rebalanced]:
-    """This rank's window after rebalancing: micro-batches of the original sizes, each with its
-    original loss normalisers (the window's global counts), filled with the rows the plan gives this
-    rank (priced by ``model``). Every rank calls it at the same window."""
-    result = rebalance([row for e, _ in window for row in _rows(e)], _sequence, model)
-    out, start = [], 0
-    for experience, info in window:
-        size = len(experience.sequences)
-        out.append((_collate(result.rows[start : start + size], device), info))
-        start += size
+    """This rank's window after rebalancing: as many micro-batches as before, of nearly equal sizes,
+    each with its original loss normalisers (the window's global counts), filled with the rows the
+    plan gives this rank (priced by ``model``; a rank's row count may change, down to one row per
+    micro-batch). Every rank calls it at the same window."""
+    rows = [row for e, _ in window for row in _rows(e)]
+    result = rebalance(rows, _sequence, model, equal_rows=False, min_rows=len(window))
+    n, k = len(result.rows), len(window)
+    bounds = [n * i // k for i in range(k + 1)]
+    out = [
+        (_collate(result.rows[a:b], device), info)
+        for (_, info), a, b in zip(window, bounds, bounds[1:], strict=False)
+    ]
     return out, result

@@ -280,10 +280,10 @@ class TreeActorPPOTrainer(ActorPPOTrainer):
             # collective issued meanwhile was seen to read a half-reduced buffer (gloo, 2 ranks).
             metrics = result.metrics.reduced(device).as_dict()
             if balanced is not None:
-                metrics.update(balanced.metrics())
                 metrics["tree/balance_cost_fitted"] = float(self._cost_model.fitted)
                 # Every rank's shape and time of this step: the next plans are priced by the refitted model.
-                self._cost_model.observe(forest_stats(result.forest), result.metrics.backward_time)
+                measured = self._cost_model.observe(forest_stats(result.forest), result.metrics.backward_time)
+                metrics.update(balanced.metrics(measured=measured))
             self._handed_over = -1
             if self._replica.partitioned:
                 self._hand_over(0)

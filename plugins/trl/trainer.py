@@ -391,11 +391,11 @@ class TreeTrainingMixin:
         self._log_tree(result.metrics)
         if balanced is not None:
             sink = compat.metrics(self, "train")
-            for key, value in balanced.metrics().items():
-                sink[key].append(value)
             sink["tree/balance_cost_fitted"].append(float(self._cost_model.fitted))
             # Every rank's shape and time of this step: the next plans are priced by the refitted model.
-            self._cost_model.observe(forest_stats(result.forest), result.metrics.backward_time)
+            measured = self._cost_model.observe(forest_stats(result.forest), result.metrics.backward_time)
+            for key, value in balanced.metrics(measured=measured).items():
+                sink[key].append(value)
         return result.loss
 
     def _train_through_engine(self, train: Callable[..., StepResult]) -> StepResult:

@@ -135,14 +135,14 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             outputs.append(out)
         extra = result.metrics.as_dict()
         if balanced is not None:
-            extra.update(balanced.metrics())
             extra["tree/balance_cost_fitted"] = float(self._cost_model.fitted)
             # Every rank's shape and time of this step: the next plans are priced by the refitted model.
-            self._cost_model.observe(
+            measured = self._cost_model.observe(
                 forest_stats(result.forest),
                 result.metrics.backward_time,
                 group=self.get_data_parallel_group(),
             )
+            extra.update(balanced.metrics(measured=measured))
         for key, value in extra.items():
             outputs[0]["metrics"][key] = Metric(value=value, aggregation=AggregationType.MEAN)
         return outputs

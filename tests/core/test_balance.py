@@ -202,3 +202,20 @@ def test_online_cost_model_fits_the_steps_seen():
         OnlineCostModel(min_samples=2)
     forest = PrefixForest.build(*_grpo(3, 4))
     assert forest_stats(forest).tokens == forest.unique_tokens
+
+
+def test_rebalanced_metrics_report_predicted_and_measured_makespans():
+    from forkrl.core.balance import Rebalanced
+
+    r = Rebalanced(
+        rows=[], moved=3, predicted_before=12.0, predicted_after=8.0, lower_bound=7.5, seconds=0.01
+    )
+    m = r.metrics(measured=[2.0, 1.0])
+    assert m["tree/balance_predicted_gain"] == 1.5 and m["tree/balance_predicted_makespan"] == 8.0
+    assert (
+        m["tree/balance_measured_makespan"] == 2.0
+        and abs(m["tree/balance_measured_imbalance"] - 2.0 / 1.5) < 1e-12
+    )
+    assert "tree/balance_measured_makespan" not in r.metrics()  # nothing measured yet
+    model = OnlineCostModel(min_samples=4)
+    assert model.observe(PieceStats(10.0, 50.0, 2.0, 8.0), 0.5) == [0.5]  # one process: its own time

@@ -22,6 +22,13 @@ import torch, torch.distributed as dist
 from tests.openrlhf import harness as h
 from tests.openrlhf.test_openrlhf_trainer import _agreement, _run
 from forkrl.core.testing.ranks import finish, report
+import forkrl.plugins.openrlhf.trainer as trainer_module
+rows_after = []  # this rank's rows in each balanced window
+def spy(*args, **kwargs):
+    out, result = balance_window(*args, **kwargs)
+    rows_after.append(sum(len(e.sequences) for e, _ in out))
+    return out, result
+balance_window, trainer_module.balance_window = trainer_module.balance_window, spy
 rank = dist.get_rank()
 g = torch.Generator().manual_seed(7)
 rand = lambda n: torch.randint(0, 250, (n,), generator=g).tolist()
@@ -41,7 +48,8 @@ change, rel = _agreement(stock, tree)
 loss_s, loss_t = s_status[-1]["policy_loss"], t_status[-1]["policy_loss"]
 moved = sum(s.get("tree/balance_moved_rows", 0.0) for s in t_status)
 reward_s, reward_t = s_status[-1]["reward"], t_status[-1]["reward"]
-report(f"RANK {{rank}} REL {{rel:.3e}} CHANGE {{change:.3e}} LOSS {{loss_s:.6f}} {{loss_t:.6f}} GAS {{stock.strategy.accumulated_gradient}} MOVED {{moved:.1f}} REWARD {{reward_s:.6f}} {{reward_t:.6f}}")
+counts = ",".join(map(str, rows_after)) or "-"
+report(f"RANK {{rank}} REL {{rel:.3e}} CHANGE {{change:.3e}} LOSS {{loss_s:.6f}} {{loss_t:.6f}} GAS {{stock.strategy.accumulated_gradient}} MOVED {{moved:.1f}} REWARD {{reward_s:.6f}} {{reward_t:.6f}} ROWS {{counts}}")
 finish()
 """
 
@@ -70,3 +78,6 @@ def test_two_ranks_equal_stock(tmp_path, stage, balance, skewed):
             assert float(fields[12]) == 0.0, line
         else:
             assert float(fields[12]) > 0, line  # rows did move
+    if balance != "off":  # skewed windows: the plan changes the ranks' row counts (4 each before)
+        rows = [[int(n) for n in line.split()[-1].split(",")] for line in lines]
+        assert all(a + b == 8 for a, b in zip(*rows, strict=True)) and rows[0] != rows[1], rows

@@ -56,6 +56,8 @@ lines = []
 for b, tree in trees.items():
     p_tree, mt = h.parameters(tree), mts[b]
     rel = max((p_tree[n] - p_stock[n]).abs().max().item() for n in p_stock) / change
+    if b != "off":  # the slowest rank's measured step beside the plan's prediction
+        assert mt["tree/balance_measured_imbalance"][0] >= 1.0 and mt["tree/balance_predicted_makespan"][0] > 0
     moved = mt.get("tree/balance_moved_rows", [-1])
     moved = moved[0] if isinstance(moved, list) else moved
     lines.append(f"RANK {{rank}} {{b}} REL {{rel:.3e}} CHANGE {{change:.3e}} LOSS {{ms['loss'][0]:.6f}} {{mt['loss'][0]:.6f}} MOVED {{moved}} ROWS {{rows_of[b]}}")
