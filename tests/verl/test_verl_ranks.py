@@ -28,7 +28,10 @@ balance_mini_batch, engine.balance_mini_batch = engine.balance_mini_batch, spy
 rank = dist.get_rank()
 path = sys.argv[1]
 g = torch.Generator().manual_seed(7)
-if sys.argv[3] == "uneven":  # rank 0 one cheap group of 8, rank 1 eight costly rows: counts should change
+dynamic = sys.argv[3].endswith("-dynamic")  # veRL's token-budget micro-batches
+kw = dict(use_dynamic_bsz=True) if dynamic else {{}}
+tokens = 48 if dynamic else None
+if sys.argv[3].startswith("uneven"):  # rank 0 one cheap group of 8, rank 1 eight costly rows: counts should change
     if rank == 0:
         prompt = torch.randint(0, 250, (12,), generator=g).tolist()
         rollouts = [(prompt, torch.randint(0, 250, (2 + k % 3,), generator=g).tolist()) for k in range(8)]
@@ -38,9 +41,9 @@ elif rank == 0:  # two GRPO groups (two trees: the second's opening differs)
     rollouts = [(p if i < 4 else [251] + p[1:], r) for i, (p, r) in enumerate(h.rows(seed=0))]
 else:  # nothing shared between rows, and longer: the costlier rank, until rows move
     rollouts = [([k] + torch.randint(0, 250, (11 + k % 3,), generator=g).tolist(), torch.randint(0, 250, (2 + k % 4,), generator=g).tolist()) for k in range(8)]
-stock = h.worker(path, h.actor_config(None, ppo_mini_batch_size=16))
+stock = h.worker(path, h.actor_config(None, ppo_mini_batch_size=16, **kw), max_token_len=tokens)
 balances = sys.argv[2].split(",")
-trees = {{b: h.worker(path, h.actor_config({{"tree_packing": True, "tree_balance": b}}, ppo_mini_batch_size=16)) for b in balances}}
+trees = {{b: h.worker(path, h.actor_config({{"tree_packing": True, "tree_balance": b}}, ppo_mini_batch_size=16, **kw), max_token_len=tokens) for b in balances}}
 init = h.parameters(stock)
 rows_of, mts = {{}}, {{}}
 for step in range(2):
@@ -66,11 +69,14 @@ finish()
 """
 
 
-@pytest.mark.parametrize("balances,shape", [("auto,off", "skewed"), ("on", "uneven")])
+@pytest.mark.parametrize(
+    "balances,shape", [("auto,off", "skewed"), ("on", "uneven"), ("on", "uneven-dynamic")]
+)
 def test_two_ranks_equal_stock(tmp_path, balances, shape):
     """Stock's update with and without the balancer (one run trains stock and each setting); in
     ``uneven`` the plan changes the ranks' row counts, and each rank still trains 4 micro-batches
-    (of unequal sizes)."""
+    (of unequal sizes); ``-dynamic``: veRL's token-budget micro-batches (the same count on every
+    rank, as veRL makes them)."""
     from forkrl.core.testing.models import byte_llama, byte_tokenizer, save_pretrained
 
     path = save_pretrained(byte_llama(0), byte_tokenizer(), tmp_path / "model")
@@ -87,7 +93,7 @@ def test_two_ranks_equal_stock(tmp_path, balances, shape):
         moved = float(fields[11])
         assert moved > 0 if balance != "off" else moved == -1, line  # rows moved; off left them
         counts.setdefault(balance, []).append(fields[13])
-    if shape == "uneven":
+    if shape.startswith("uneven"):
         first = [int(c.split(",")[0]) for c in counts["on"]]
         assert sum(first) == 16 and first[0] != first[1], counts
     else:
