@@ -19,6 +19,7 @@ __all__ = [
     "PRIVATES",
     "Private",
     "check",
+    "fixed_micro_batch_count",
     "global_batch_info",
     "micro_batches",
     "micro_batches_of_any_size",
@@ -202,17 +203,25 @@ def micro_batches(engine, data):
     )
 
 
-def micro_batches_of_any_size(engine, data, count: int):
-    """:func:`micro_batches`, for a rank whose row count the balancer changed: with a fixed
-    micro-batch size, ``count`` consecutive chunks of nearly equal sizes (every rank keeps the
-    micro-batch count it came with: veRL's metrics aggregate per micro-batch over the dp ranks;
-    only where the loss does not depend on the grouping, :mod:`forkrl.plugins.verl.balance`)."""
+def fixed_micro_batch_count(data) -> int | None:
+    """How many micro-batches of ``micro_batch_size_per_gpu`` stock splits ``data`` into (None under
+    dynamic batching, whose token-budget split veRL already equalises over the dp ranks)."""
+    size = int(non_tensor(data, "micro_batch_size_per_gpu", 0) or 0)
+    if non_tensor(data, "use_dynamic_bsz", True) or size <= 0:
+        return None
+    return max(len(data) // size, 1)
+
+
+def micro_batches_of_any_size(engine, data, count: int | None):
+    """:func:`micro_batches`, for a rank whose row count the balancer may have changed: ``count``
+    (from :func:`fixed_micro_batch_count` before the change) consecutive chunks of nearly equal
+    sizes (every rank keeps the micro-batch count it came with: veRL's metrics aggregate per
+    micro-batch over the dp ranks; only where the loss does not depend on the grouping,
+    :mod:`forkrl.plugins.verl.balance`); ``None``: stock's split."""
     from verl.utils import tensordict_utils as tu
 
-    size = int(tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=0) or 0)
-    dynamic = tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True)
     rows = len(data)
-    if dynamic or size <= 0 or rows == count * size:
+    if count is None:
         return micro_batches(engine, data)
     if not 1 <= count <= rows:
         raise ValueError(f"tree_balance: {rows} rows cannot fill {count} micro-batches")

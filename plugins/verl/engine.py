@@ -68,16 +68,17 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if not self._tree_options.tree_enabled:
             return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
         self._refuse(data)
-        balanced = None
-        count = _micro_batch_count(data)
+        balanced, count = None, compat.fixed_micro_batch_count(data)
         if not forward_only and self._balancing(data):  # the mini-batch's rows over the ranks by tree cost
             group = self.get_data_parallel_group()
-            data, balanced = balance_mini_batch(data, self._cost_model.model, group=group, min_rows=count)
+            data, balanced = balance_mini_batch(
+                data, self._cost_model.model, group=group, min_rows=count or 1
+            )
         compat.global_batch_info(self, data)
-        if balanced is None:
-            micro_batches, indices = compat.micro_batches(self, data)
-        else:
+        if balanced is not None:  # the row count may have changed: the micro-batch count must not
             micro_batches, indices = compat.micro_batches_of_any_size(self, data, count)
+        else:
+            micro_batches, indices = compat.micro_batches(self, data)
         micro_batches = [mb.to(get_device_id()) for mb in micro_batches]  # as stock forward_step does
         layouts = [_layout(mb) for mb in micro_batches]
         step = self._step(micro_batches)
@@ -198,14 +199,6 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                 f"forkrl's tree engine cannot run exactly with {', '.join(problems)}: turn it off, or set "
                 "forkrl.tree_packing=false to use veRL's own engine"
             )
-
-
-def _micro_batch_count(data) -> int:
-    """The fixed-size micro-batch count of this rank's mini-batch (1 under dynamic batching)."""
-    size = int(compat.non_tensor(data, "micro_batch_size_per_gpu", 0) or 0)
-    if compat.non_tensor(data, "use_dynamic_bsz", True) or size <= 0:
-        return 1
-    return max(len(data) // size, 1)
 
 
 def _layout(micro_batch) -> RowLayout:
