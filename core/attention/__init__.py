@@ -14,13 +14,22 @@ import torch
 
 from .. import compat
 from .mask import subtree_ends, tree_mask
-from .split import MIN_PIECE, MIN_SPLIT_ELEMENTS, NAME, PastPieces, kernels_for, split_attention
+from .split import (
+    MIN_PIECE,
+    MIN_SPLIT_ELEMENTS,
+    NAME,
+    PastPieces,
+    compute_dtype,
+    kernels_for,
+    split_attention,
+)
 
 __all__ = [
     "MIN_PIECE",
     "MIN_SPLIT_ELEMENTS",
     "NAME",
     "PastPieces",
+    "compute_dtype",
     "kernels_for",
     "select",
     "split_attention",

@@ -34,7 +34,7 @@ from torch.nn import functional as F
 
 from .. import compat
 
-__all__ = ["NAME", "PastPieces", "kernels_for", "reference_attention", "split_attention"]
+__all__ = ["NAME", "PastPieces", "compute_dtype", "kernels_for", "reference_attention", "split_attention"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,15 @@ def kernels_for(device: torch.device, dtype: torch.dtype, head_dim: int | None =
     return _KERNELS[key]
 
 
+def compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention computes in for ``dtype`` inputs on ``device``: autocast's where it is
+    enabled there and would cast them (float32 and half types; float64 is left alone), as it casts
+    sdpa; else ``dtype``."""
+    if dtype in (torch.float32, torch.float16, torch.bfloat16) and torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return dtype
+
+
 def reference_attention(q, k_self, v_self, keys, values, scale: float) -> torch.Tensor:
     """What split attention computes, the plain way, in float64: the pieces concatenated and expanded
     to every sequence and query head, one sdpa call with a bottom-right causal mask.
@@ -116,7 +125,9 @@ def _self_check(device: torch.device, dtype: torch.dtype, kernels: tuple) -> str
         q, k_self, v_self = rand(b, h, q_len, d), rand(b, kv, q_len, d), rand(b, kv, q_len, d)
         keys, values = [rand(1, kv, n, d) for n in past], [rand(1, kv, n, d) for n in past]
         leaves = [t.requires_grad_(True) for t in (q, k_self, v_self, *keys, *values)]
-        out = _SplitAttention.apply(q, k_self, v_self, d**-0.5, h // kv, len(keys), kernels, *keys, *values)
+        out = _SplitAttention.apply(
+            q, k_self, v_self, d**-0.5, h // kv, len(keys), kernels, dtype, *keys, *values
+        )
         dout = rand(*out.shape)
         got = torch.autograd.grad(out, leaves, dout)
         ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
@@ -176,24 +187,30 @@ class _SplitAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k_self, v_self, scale: float, n_rep: int, n_pieces: int, kernels, *pieces):  # noqa: D102
+    def forward(  # noqa: D102
+        ctx, q, k_self, v_self, scale: float, n_rep: int, n_pieces: int, kernels, dtype, *pieces
+    ):
         b, h, q_len, d = q.shape
         kv = h // n_rep
         flash = kernels[0]
+        # The kernels run in ``dtype`` (autocast's, as sdpa would be cast); the pieces are saved as
+        # they are (by reference, no copy kept) and cast again per piece in backward.
+        ctx.dtypes = (q.dtype, k_self.dtype, v_self.dtype, [p.dtype for p in pieces])
+        q, k_self, v_self = (t.to(dtype) for t in (q, k_self, v_self))
         q = q.contiguous()
         out, lse = flash(q, _expand(k_self, n_rep), _expand(v_self, n_rep), 0.0, True, scale=scale)
         # Merged in the log-sum-exp's float32 where the kernel runs in half precision.
         out, lse = out.contiguous().to(torch.promote_types(q.dtype, lse.dtype)), lse.contiguous()
         q_fold = _fold(q, kv)
         for k, v in zip(pieces[:n_pieces], pieces[n_pieces:], strict=True):
-            o_i, l_i = flash(q_fold, k, v, 0.0, False, scale=scale)
+            o_i, l_i = flash(q_fold, k.to(dtype), v.to(dtype), 0.0, False, scale=scale)
             o_i, l_i = _unfold(o_i, b, h, q_len), _unfold(l_i, b, h, q_len)
             merged = torch.logaddexp(lse, l_i)
             out = out * torch.exp(lse - merged)[..., None] + o_i * torch.exp(l_i - merged)[..., None]
             lse = merged
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k_self, v_self, out, lse, *pieces)
-        ctx.scale, ctx.n_rep, ctx.n_pieces, ctx.kernels = scale, n_rep, n_pieces, kernels
+        ctx.scale, ctx.n_rep, ctx.n_pieces, ctx.kernels, ctx.dtype = scale, n_rep, n_pieces, kernels, dtype
         return out
 
     @staticmethod
@@ -208,12 +225,17 @@ class _SplitAttention(torch.autograd.Function):
         kv = h // n_rep
         dout_f, q_f, out_f, lse_f = (_fold(t, kv).contiguous() for t in (dout, q, out, lse))
         dks, dvs = [], []
+        dtype = ctx.dtype
         for k, v in zip(pieces[:n], pieces[n:], strict=True):
-            dq_i, dk, dv = flash_bwd(dout_f, q_f, k, v, out_f, lse_f, 0.0, False, scale=scale)
+            dq_i, dk, dv = flash_bwd(
+                dout_f, q_f, k.to(dtype), v.to(dtype), out_f, lse_f, 0.0, False, scale=scale
+            )
             dq = dq + _unfold(dq_i, b, h, q_len)
-            dks.append(dk)
-            dvs.append(dv)
-        return (dq, _reduce(dk_self, n_rep), _reduce(dv_self, n_rep), None, None, None, None, *dks, *dvs)
+            dks.append(dk.to(k.dtype))
+            dvs.append(dv.to(v.dtype))
+        q_dt, k_dt, v_dt, _ = ctx.dtypes
+        dk_self, dv_self = _reduce(dk_self, n_rep).to(k_dt), _reduce(dv_self, n_rep).to(v_dt)
+        return (dq.to(q_dt), dk_self, dv_self, None, None, None, None, None, *dks, *dvs)
 
 
 def _coalesce(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -305,7 +327,10 @@ def split_attention(
     small = q_len * past < MIN_SPLIT_ELEMENTS and query.shape[0] == 1
     # A plain cache's context may differ per sequence: the split folds only shared pieces.
     per_sequence = pieces is None and query.shape[0] > 1
-    kernels = kernels_for(query.device, query.dtype, query.shape[-1])
+    # Under autocast sdpa runs in autocast's dtype whatever its inputs' (RoPE leaves queries and keys
+    # in float32 beside half-precision values): the split kernels are cast the same way.
+    dtype = compute_dtype(query.device, query.dtype)
+    kernels = kernels_for(query.device, dtype, query.shape[-1])
     if dropout > 0.0 or kernels is None or q_len == 1 or past == 0 or small or per_sequence:
         # Plain sdpa with an explicit bottom-right causal mask (dropout must use one kernel call).
         if pieces is not None and past > 0:
@@ -330,5 +355,7 @@ def split_attention(
             keys, values = _coalesce(pieces.keys), _coalesce(pieces.values)
         else:
             keys, values = [key[:, :, :past]], [value[:, :, :past]]
-        out = _SplitAttention.apply(query, k_self, v_self, scale, n_rep, len(keys), kernels, *keys, *values)
+        out = _SplitAttention.apply(
+            query, k_self, v_self, scale, n_rep, len(keys), kernels, dtype, *keys, *values
+        )
     return out.transpose(1, 2).contiguous(), None

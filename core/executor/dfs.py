@@ -260,9 +260,7 @@ class DepthFirstPass:
         """Whether attention runs split over the shared pieces (no per-sequence copy of the context)."""
         if not self.pieces:
             return False
-        kind = self.device.type
-        autocast = torch.is_autocast_enabled(kind)
-        dtype = torch.get_autocast_dtype(kind) if autocast else self.adapter.head.weight.dtype
+        dtype = attention.compute_dtype(self.device, self.adapter.head.weight.dtype)
         return attention.kernels_for(self.device, dtype) is not None
 
     def _batchable(self, unit: Unit) -> bool:

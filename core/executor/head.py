@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from .model import ModelAdapter
+from .model import HeadPrecision, ModelAdapter
 
 __all__ = ["CoefficientFn", "ScoredHead", "StaticCoefficients"]
 
@@ -45,6 +45,7 @@ class ScoredHead:
         lp: ``[num_entries]`` output log-probs.
         ent: ``[num_entries]`` output entropies, or None.
         coef: the coefficients of a gradient pass (None when scoring).
+        precision: how the host computes its LM head (:meth:`ModelAdapter.logits`).
     """
 
     def __init__(
@@ -55,8 +56,10 @@ class ScoredHead:
         lp: torch.Tensor,
         ent: torch.Tensor | None,
         coef: CoefficientFn | None,
+        precision: HeadPrecision = "model",
     ) -> None:
         self.adapter = adapter
+        self.precision = precision
         self.temperature = temperature
         self.chunk = max(1, chunk_elems // adapter.head.weight.shape[0])
         self.lp, self.ent, self.coef = lp, ent, coef
@@ -102,7 +105,7 @@ class ScoredHead:
         self, src: torch.Tensor, local: torch.Tensor, ids: torch.Tensor, target: torch.Tensor, grad: bool
     ):
         with torch.set_grad_enabled(grad):
-            logp = torch.log_softmax(self.adapter.logits(src, self.temperature), dim=-1)
+            logp = torch.log_softmax(self.adapter.logits(src, self.temperature, self.precision), dim=-1)
             e_lp = logp[local, target]
             e_ent = -(logp.exp() * logp).sum(-1)[local] if self.ent is not None else None
         self.lp[ids] = e_lp.detach().to(self.lp.dtype)

@@ -6,17 +6,22 @@ import contextlib
 import inspect
 import logging
 from collections.abc import Iterator
+from typing import Literal, get_args
 
 import torch
 from torch import nn
 
 from .. import compat
+from ..attention import compute_dtype
 from ..errors import UnsupportedModelError
 from .cache import LayerPast, build_cache, check_pieces_used
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ModelAdapter", "UnsupportedModelError"]
+__all__ = ["HEAD_PRECISIONS", "HeadPrecision", "ModelAdapter", "UnsupportedModelError"]
+
+HeadPrecision = Literal["model", "fp32_accumulate", "fp32"]
+HEAD_PRECISIONS: tuple[str, ...] = get_args(HeadPrecision)
 
 _KINDS = {
     compat.DynamicLayer: "full",
@@ -157,9 +162,29 @@ class ModelAdapter:
             routers.extend(getattr(out, "router_logits", None) or ())
         return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
-    def logits(self, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
-        """LM head on ``[rows, hidden]`` -> float ``[rows, vocab]`` logits, scaled like the model and host."""
-        logits = self.head(hidden)
+    def logits(
+        self, hidden: torch.Tensor, temperature: float, precision: HeadPrecision = "model"
+    ) -> torch.Tensor:
+        """LM head on ``[rows, hidden]`` -> float ``[rows, vocab]`` logits, scaled like the model and host.
+
+        Args:
+            precision: how the host computes its log-probs (:data:`HEAD_PRECISIONS`): ``"model"``,
+                the head module as the model's forward runs it (under autocast: a half-precision
+                GEMM, rounded gradients), scaled and softcapped in that dtype; ``"fp32_accumulate"``,
+                TRL's fused LM head: logits from a GEMM in the compute dtype (autocast's, else the
+                parameters'), everything after it in float32, and the logits' gradient rounded to the
+                compute dtype but its products with the weight and the hidden states summed in float32;
+                ``"fp32"``: the head in float32 outside autocast (TRL's ``cast_lm_head_to_fp32``).
+        """
+        if precision == "model":
+            logits = self.head(hidden)
+        else:
+            if precision == "fp32":
+                dtype, hidden = torch.float32, hidden.float()
+            else:
+                dtype = compute_dtype(hidden.device, hidden.dtype)
+            with torch.autocast(hidden.device.type, enabled=False):
+                logits = _Fp32AccumulatedLinear.apply(hidden, self.head.weight, self.head.bias, dtype).float()
         if self.logit_scale is not None:
             logits = logits * self.logit_scale
         if self.softcap is not None:
@@ -202,3 +227,35 @@ class ModelAdapter:
             return True
         names = ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "attn_pdrop")
         return any(float(getattr(self.config, n, 0.0) or 0.0) > 0 for n in names)
+
+
+class _Fp32AccumulatedLinear(torch.autograd.Function):
+    """``hidden @ weight.T + bias`` as TRL's fused LM head computes it: the product in ``dtype``
+    (``[rows, vocab]`` logits, rounded to it); in backward the logits' gradient rounded to ``dtype``
+    (TRL writes it into the logits tile), its products with the weight and the hidden states summed
+    in float32 and returned in the inputs' dtypes (no rounding of the sums to ``dtype``)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, dtype):  # noqa: D102
+        h, w = hidden.to(dtype), weight.to(dtype)
+        out = h @ w.t()
+        if bias is not None:
+            out = out + bias.to(dtype)
+        ctx.save_for_backward(hidden, weight)
+        ctx.dtype, ctx.has_bias = dtype, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        hidden, weight = ctx.saved_tensors
+        grad_hidden = grad_weight = grad_bias = None
+        # A backward called inside an autocast region would cast these products back to half precision.
+        with torch.autocast(grad.device.type, enabled=False):
+            g = grad.to(ctx.dtype).float()  # [rows, vocab]
+            if ctx.needs_input_grad[0]:
+                grad_hidden = (g @ weight.to(ctx.dtype).float()).to(hidden.dtype)
+            if ctx.needs_input_grad[1]:
+                grad_weight = (g.t() @ hidden.to(ctx.dtype).float()).to(weight.dtype)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                grad_bias = g.sum(0).to(weight.dtype)
+        return grad_hidden, grad_weight, grad_bias, None

@@ -16,9 +16,10 @@ Modes:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -30,7 +31,7 @@ from ..errors import UnsupportedModelError
 from ..tree import PrefixForest
 from .dfs import DepthFirstPass
 from .head import CoefficientFn, ScoredHead, StaticCoefficients
-from .model import ModelAdapter
+from .model import HEAD_PRECISIONS, HeadPrecision, ModelAdapter
 from .packed import check_packed, run_packed
 from .router import RouterLoss, RouterPass
 
@@ -108,6 +109,10 @@ class TreeExecutor:
             mask is built or kept for backward and no context is copied: on the CPU with sdpa, and on
             CUDA in bf16/fp16 for models using sdpa or flash-attention (self-checked on the device
             at first use; float32 on CUDA falls back). False: the model's own attention.
+        head_precision: how the host computes its log-probs from the last hidden states
+            (:data:`HEAD_PRECISIONS`; :meth:`ModelAdapter.logits`): ``"model"`` (default), the LM head
+            as the model's forward runs it; ``"fp32_accumulate"``, TRL's fused LM head (its gradient
+            products summed in float32); ``"fp32"``, the head in float32 outside autocast.
 
     Raises:
         UnsupportedModelError: for models it cannot run in this mode, naming the alternative.
@@ -125,6 +130,7 @@ class TreeExecutor:
         leaf_batch_tokens: int = 1 << 13,
         prompt_grad: PromptGrad = "exact",
         split_attention: bool = True,
+        head_precision: HeadPrecision = "model",
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not one of {MODES}")
@@ -132,6 +138,8 @@ class TreeExecutor:
         _positive_int(head_chunk_elems, "head_chunk_elems")
         _positive_int(score_batch_tokens, "score_batch_tokens")
         _positive_int(leaf_batch_tokens, "leaf_batch_tokens")
+        if head_precision not in HEAD_PRECISIONS:
+            raise ValueError(f"head_precision={head_precision!r} must be one of {HEAD_PRECISIONS}")
         if prompt_grad not in PROMPT_GRADS:
             raise ValueError(f"prompt_grad={prompt_grad!r} must be one of {PROMPT_GRADS}")
         if prompt_grad == "none" and mode == "packed":
@@ -155,6 +163,7 @@ class TreeExecutor:
         self.leaf_batch_tokens = leaf_batch_tokens
         self.prompt_grad = prompt_grad
         self.split_attention = split_attention
+        self.head_precision = head_precision
         if mode == "packed":
             check_packed(self.adapter)
         self._warned_checkpointing = False
@@ -339,7 +348,7 @@ class TreeExecutor:
         forest = PrefixForest.build(*_PROBE)
         training = {m: m.training for m in self.model.modules()}
         self.model.eval()
-        try:  # in the parameters' dtype: the probe checks the architecture, not autocast's rounding
+        try:  # in the parameters' dtype, autocast off (_structural): the architecture, not rounding
             why = self._probe_error(forest)
             if why is not None and self.mode != "packed" and self.split_attention:
                 self.split_attention = False
@@ -363,10 +372,47 @@ class TreeExecutor:
     def _probe_error(self, forest: PrefixForest) -> str | None:
         """None when the tree's log-probs of ``forest`` equal the model's forward, else why not."""
         try:
-            with torch.autocast(self.device.type, enabled=False):
+            with self._structural():
                 return self._probe_compare(forest)
         except Exception as err:  # noqa: BLE001 - any failure on the probe is the model's incompatibility
             return f"{type(err).__name__}: {str(err)[:200]}"
+
+    @contextlib.contextmanager
+    def _structural(self) -> Iterator[None]:
+        """The probes' precision: the parameters' dtype, autocast off on both sides.
+
+        The probes check the architecture (does the tree reproduce the model's computation?), not
+        rounding: in float32 or float64 parameters a broken cache contract shows at 1e-3 and more
+        while agreement is 1e-6, a margin that bf16 rounding (1e-3 on log-probs, the same size as
+        a broken contract in a tiny model) would erase. Autocast is therefore off for the tree pass
+        and also inside the model's own forward, which a host may wrap in autocast itself
+        (accelerate's mixed precision replaces ``model.forward`` by an autocast-wrapped one): hooks on
+        the decoder and the LM head turn it off inside them. A model whose parameters are half
+        precision is probed in that precision, with a half-precision bound.
+        """
+        kind = self.device.type
+        entered: list[torch.autocast] = []
+
+        def enter(module, args):
+            ctx = torch.autocast(kind, enabled=False)
+            ctx.__enter__()
+            entered.append(ctx)
+
+        def leave(module, args, out):
+            entered.pop().__exit__(None, None, None)
+
+        modules = (self.adapter.decoder, self.adapter.head)
+        handles = [
+            h for m in modules for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))
+        ]
+        try:
+            with torch.autocast(kind, enabled=False):
+                yield
+        finally:
+            for h in handles:
+                h.remove()
+            while entered:
+                entered.pop().__exit__(None, None, None)
 
     def _probe_compare(self, forest: PrefixForest) -> str | None:
         lp, _ = self._pass(forest, grad=False, entropy=False, coef=None)
@@ -392,7 +438,7 @@ class TreeExecutor:
         training = {m: m.training for m in self.model.modules()}
         self.model.eval()
         try:
-            with torch.autocast(self.device.type, enabled=False):
+            with self._structural():  # see _structural: the architecture, not rounding
                 self._pass(forest, grad=False, entropy=False, coef=None, router=router)
                 got = float(router.values()[0])
                 seqs = _PROBE[0]
@@ -434,7 +480,9 @@ class TreeExecutor:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         lp = torch.zeros(forest.num_entries, dtype=self.dtype, device=self.device)
         ent = torch.zeros_like(lp) if entropy else None
-        head = ScoredHead(self.adapter, self.temperature, self.head_chunk_elems, lp, ent, coef)
+        head = ScoredHead(
+            self.adapter, self.temperature, self.head_chunk_elems, lp, ent, coef, self.head_precision
+        )
         with (
             self.adapter.checkpointing_off() as was_on,
             compat.out_of_place_ssm_step(self.adapter.ssm_modules),

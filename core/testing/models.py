@@ -31,6 +31,7 @@ __all__ = [
     "ZOO",
     "BYTE_MOE",
     "byte_llama",
+    "byte_model",
     "byte_moe",
     "byte_tokenizer",
     "dense_logprobs",
@@ -287,6 +288,16 @@ def byte_llama(seed: int = 0, **config: Any) -> nn.Module:
     Hidden 32, 2 layers unless ``config`` says otherwise; the generation config carries pad/eos.
     """
     return _byte_model("LlamaConfig", "LlamaForCausalLM", seed, {"intermediate_size": 64, **config})
+
+
+def byte_model(name: str, seed: int = 0, **config: Any) -> nn.Module:
+    """The :data:`ZOO` architecture ``name`` for :func:`byte_tokenizer` (as :func:`byte_llama`; the
+    MoE entries of :data:`BYTE_MOE` with their experts), float32, loadable by a host from a path."""
+    if name in BYTE_MOE:
+        return byte_moe(name, seed, **config)
+    config_cls, model_cls, fields = ZOO[name]
+    fields = {k: v for k, v in fields.items() if _ATTN.get(k, object()) != v}  # the byte model's head counts
+    return _byte_model(config_cls, model_cls, seed, {**fields, **config})
 
 
 def _byte_model(config_cls: str, model_cls: str, seed: int, config: dict[str, Any]) -> nn.Module:

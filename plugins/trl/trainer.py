@@ -115,7 +115,12 @@ class TreeTrainingMixin:
         if config.tree_enabled:
             # Under DeepSpeed ZeRO-3 the tree gathers the partitions with DeepSpeed's own context.
             gather = deepspeed_gathered if getattr(self, "is_deepspeed_enabled", False) else None
-            self._tree_step = TreeStep(config, temperature=self.temperature, gather=gather)
+            # The tree's LM head as TRL's fused head computes it (add_fused_lm_head): logits in the compute
+            # dtype, the gradient products summed in float32; in float32 with cast_lm_head_to_fp32.
+            head = "fp32" if getattr(config, "cast_lm_head_to_fp32", False) else "fp32_accumulate"
+            self._tree_step = TreeStep(
+                config, temperature=self.temperature, gather=gather, head_precision=head
+            )
             self._check_tree_setup()
         if config.speculative_rollout:
             self._check_speculative_setup()

@@ -114,6 +114,7 @@ def train(
     dataset: Dataset | None = None,
     peft_config: Any = None,
     trainer_hook: Callable | None = None,
+    eval_dataset: Dataset | None = None,
     **kw: Any,
 ) -> tuple[dict[str, torch.Tensor], Any]:
     """Train stock TRL (forkrl=False) or forkrl's plugin with tree_packing (forkrl=True); returns the
@@ -135,6 +136,7 @@ def train(
         reward_funcs=letter_reward,
         args=args,
         train_dataset=dataset if dataset is not None else prompt_dataset(),
+        eval_dataset=eval_dataset,
         rollout_func=rollout or make_rollout_func(),
         peft_config=peft_config,
     )

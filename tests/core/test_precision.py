@@ -1,0 +1,212 @@
+"""The tree in the precision users train in: bf16 autocast over float32 parameters, bf16 parameters.
+
+The float64 tests elsewhere hold the tree to 1e-10; here it must compute as the model's own forward
+does under the same settings. In bf16 no two computations agree to float tolerance (the host's own
+batch layout moves stock's bf16 gradient by 0.3-0.8 of its distance to float32: measured in
+:func:`test_stock_layouts_differ_by_bf16_noise`), so the criterion is two-sided, per quantity (the
+vector of all log-probs, the vector of all parameter gradients), against stock in float32:
+
+    0.5 * gap <= |tree_bf16 - stock_fp32| <= 1.5 * gap,   gap = |stock_bf16 - stock_fp32|
+
+The lower bound fails when the tree ignores the host's precision (a float32 tree under bf16
+autocast is ~0 from float32); the upper one when it is less accurate than stock (a log-softmax in
+bf16, a gradient accumulated in bf16). With bf16 parameters, float32 stock runs on the same
+bf16-rounded weights, so the gap is the computation's rounding alone. (The hosts' tests compare
+parameters after several optimizer steps, where bf16 parameters' own rounding also counts.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import pytest
+import torch
+
+from forkrl.core import PrefixForest, TreeExecutor
+from forkrl.core.executor import RouterLoss
+from forkrl.core.testing.models import dense_logprobs, grads
+from forkrl.core.testing.models import tiny_causal_lm as make_model
+
+from .forests import deep_tree, grpo_group
+
+ZOO = ["llama-gqa", "qwen2", "qwen3", "gemma2", "qwen3moe", "lfm2"]
+PRECISIONS = ["autocast", "bf16"]
+
+
+def _modes(name: str) -> list[str]:
+    return ["keep", "replay"] if name in ("gemma2", "lfm2") else ["keep", "replay", "packed"]
+
+
+CASES = [(n, p, m) for n in ZOO for p in PRECISIONS for m in _modes(n)]
+
+
+def _flat(xs) -> torch.Tensor:
+    return torch.cat([x.detach().double().flatten() for x in xs])
+
+
+def _batch():
+    a, fa = grpo_group(seed=3, group=6)
+    b, fb = deep_tree()
+    return a + b, fa + fb
+
+
+def _context(precision: str):
+    if precision == "autocast":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _stock(model, seqs, sf, coefs, router: bool):
+    """Per-sequence log-probs and the gradient of ``sum coefs * logprobs`` (+ the aux loss of the
+    whole batch as one padded micro-batch, for MoE models)."""
+    model.zero_grad(set_to_none=True)
+    lps, _ = dense_logprobs(model, seqs, sf)
+    loss = sum((lp.float() * c).sum() for lp, c in zip(lps, coefs, strict=True))
+    if router:
+        width = max(map(len, seqs))
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, s in enumerate(seqs):
+            ids[b, width - len(s) :], mask[b, width - len(s) :] = torch.tensor(s), 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, output_router_logits=True)
+        loss = loss + 0.5 * out.aux_loss.float()
+    loss.backward()
+    return _flat(lps), _flat(grads(model))
+
+
+def _tree(model, mode, seqs, sf, coefs, router: bool):
+    model.zero_grad(set_to_none=True)
+    forest = PrefixForest.build(seqs, sf)
+    ex = TreeExecutor(model, mode=mode, block_size=3 if mode == "replay" else None)
+    scored = ex.score(forest)
+    loss = RouterLoss([0.5]).bind(forest, [0, len(seqs)]) if router else None
+    ex.backward(forest, coefs, router=loss)
+    return _flat(scored.logprobs), _flat(grads(model))
+
+
+@functools.cache
+def _coefs():
+    seqs, sf = _batch()
+    g = torch.Generator().manual_seed(7)
+    return [torch.randn(len(s) - f, generator=g) for s, f in zip(seqs, sf, strict=True)]
+
+
+def _check(label: str, tree, stock, exact) -> None:
+    gap = float((stock - exact).norm())
+    off = float((tree - exact).norm())
+    assert gap > 0, f"{label}: bf16 stock equals float32 stock (nothing was rounded)"
+    assert 0.5 * gap <= off <= 1.5 * gap, (
+        f"{label}: |tree - fp32| = {off / gap:.3f} of |stock_bf16 - fp32| (want 0.5 .. 1.5)"
+    )
+
+
+@pytest.mark.parametrize("name,precision,mode", CASES)
+def test_tree_follows_the_hosts_precision(monkeypatch, name, precision, mode):
+    """Scoring and training, every mode, split attention on (forced at these sizes), MoE router
+    loss and a hybrid: the tree in bf16 is a bf16 computation of stock's accuracy."""
+    import forkrl.core.attention.split as split
+
+    monkeypatch.setattr(split, "MIN_SPLIT_ELEMENTS", 0)
+    seqs, sf = _batch()
+    coefs = _coefs()
+    router = name == "qwen3moe"
+    model = make_model(name, dtype=torch.float32)
+    if precision == "bf16":  # float32 stock then runs on the bf16-rounded weights: compute rounding only
+        model = model.to(torch.bfloat16).float()
+    exact = _stock(model, seqs, sf, coefs, router)
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    with _context(precision):
+        stock = _stock(model, seqs, sf, coefs, router)
+        tree = _tree(model, mode, seqs, sf, coefs, router)
+    for what, i in (("log-probs", 0), ("gradient", 1)):
+        _check(f"{name} {precision} {mode} {what}", tree[i], stock[i], exact[i])
+
+
+def test_float32_is_unchanged_by_the_precision_work(monkeypatch):
+    """Without autocast a float32 tree stays exact to float32 (the float64 tests hold it to 1e-10)."""
+    import forkrl.core.attention.split as split
+
+    monkeypatch.setattr(split, "MIN_SPLIT_ELEMENTS", 0)
+    seqs, sf = _batch()
+    model = make_model("qwen2", dtype=torch.float32)
+    lp, g = _stock(model, seqs, sf, _coefs(), False)
+    tlp, tg = _tree(model, "keep", seqs, sf, _coefs(), False)
+    assert float((tlp - lp).norm() / lp.norm()) < 1e-6
+    assert float((tg - g).norm() / g.norm()) < 1e-5
+
+
+def test_the_criterion_catches_a_tree_that_ignores_autocast(monkeypatch):
+    """The lower bound is not vacuous: a tree pass run in float32 under the host's bf16 autocast
+    (what forkrl did before it followed autocast) fails it."""
+    seqs, sf = _batch()
+    model = make_model("llama-gqa", dtype=torch.float32, attn="eager")
+    exact = _stock(model, seqs, sf, _coefs(), False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        stock = _stock(model, seqs, sf, _coefs(), False)
+    tree = _tree(model, "keep", seqs, sf, _coefs(), False)  # autocast off: float32
+    with pytest.raises(AssertionError, match="want 0.5"):
+        _check("float32 tree", tree[1], stock[1], exact[1])
+
+
+def test_stock_layouts_differ_by_bf16_noise():
+    """Why the criterion is two-sided: stock itself, run on a right-padded batch instead of one
+    sequence at a time, moves its bf16 gradient by a large part of its distance to float32."""
+    seqs, sf = _batch()
+    coefs = _coefs()
+    model = make_model("llama-gqa", dtype=torch.float32)
+    exact = _stock(model, seqs, sf, coefs, False)[1]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        single = _stock(model, seqs, sf, coefs, False)[1]
+        model.zero_grad(set_to_none=True)
+        width = max(map(len, seqs))
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, s in enumerate(seqs):
+            ids[b, : len(s)], mask[b, : len(s)] = torch.tensor(s), 1
+        logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), -1)
+    lps = [
+        logp[b, f - 1 : len(s) - 1].gather(-1, ids[b, f : len(s), None])[:, 0]
+        for b, (s, f) in enumerate(zip(seqs, sf, strict=True))
+    ]
+    sum((lp * c).sum() for lp, c in zip(lps, coefs, strict=True)).backward()
+    padded = _flat(grads(model))
+    gap = float((single - exact).norm())
+    assert 0.2 * gap < float((padded - single).norm()) < 1.5 * gap
+
+
+def test_probe_accepts_bf16_hosts_and_still_refuses_broken_caches(monkeypatch):
+    """The first-use probes check the architecture in the parameters' precision with autocast off,
+    also inside a forward a host wrapped in autocast (accelerate's mixed precision): models exact in
+    float32 are accepted under bf16 autocast (they were refused for bf16 rounding), and a cache that
+    drops the ancestors' keys is still refused there."""
+    from forkrl.core import UnsupportedModelError
+    from forkrl.core.executor import cache
+
+    seqs, sf = _batch()
+    forest = PrefixForest.build(seqs, sf)
+    for name in ("qwen3", "gemma2", "qwen3moe", "nemotronh"):
+        model = make_model(name, dtype=torch.float32)
+        model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)  # as accelerate wraps it
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ex = TreeExecutor(model, mode="keep")
+            ex.score(
+                forest, router=RouterLoss([1.0]).bind(forest, [0, len(seqs)]) if name == "qwen3moe" else None
+            )
+        assert ex._probed and (ex._router_probed or name != "qwen3moe")
+
+    def dropping(self, key_states, value_states, *args, **kwargs):
+        self.new_keys, self.new_values = key_states, value_states
+        return key_states, value_states  # the ancestors' keys are lost
+
+    monkeypatch.setattr(cache.RecordingLayer, "update", dropping)
+    monkeypatch.setattr(cache.PiecewiseLayer, "update", dropping)
+    model = make_model("qwen3", dtype=torch.float32)
+    model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
+    with (
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        pytest.raises(UnsupportedModelError, match="cache contract"),
+    ):
+        TreeExecutor(model, mode="keep").score(forest)
