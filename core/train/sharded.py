@@ -114,11 +114,20 @@ class FSDP2Replica:
     # ------------------------------------------------------------------ collectives
     def _gather(self, grad: bool) -> None:
         self.replica.train(self.model.training)
+        self._wide: dict[int, torch.Tensor] = {}
+        self._hooks = []
         for name, p in self.params.items():
             full = compat.full_tensor(p).detach()
             if self.param_dtype is not None and full.is_floating_point():
                 full = full.to(self.param_dtype)
             leaf = nn.Parameter(full, requires_grad=grad and p.requires_grad)
+            # Mixed precision (bf16 compute over float32 shards): FSDP2 reduces and accumulates each
+            # micro-batch's gradient in float32; the tree's many units are summed in float32 too,
+            # not rounded to bf16 at every unit.
+            if leaf.requires_grad and _narrower(leaf.dtype, p.dtype):
+                self._hooks.append(
+                    leaf.register_post_accumulate_grad_hook(_accumulate_into(self._wide, id(p), p.dtype))
+                )
             compat.set_tensor(self.replica, name, leaf, parameter=True)
         self._tie()
 
@@ -127,7 +136,7 @@ class FSDP2Replica:
         for name, p in self.params.items():
             if not p.requires_grad:
                 continue
-            g = self.replica.get_parameter(name).grad
+            g = self._wide.get(id(p), self.replica.get_parameter(name).grad)
             g = torch.zeros_like(self.replica.get_parameter(name)) if g is None else g
             g = g.to(p.dtype) / world  # FSDP2 averages over ranks
             shard = compat.reduce_scatter_like(g, p)
@@ -135,6 +144,9 @@ class FSDP2Replica:
 
     def _release(self) -> None:
         """Drop the full parameters (the replica keeps meta placeholders between steps)."""
+        for hook in getattr(self, "_hooks", ()):
+            hook.remove()
+        self._hooks, self._wide = [], {}
         for name, p in self.params.items():
             placeholder = nn.Parameter(torch.empty(p.shape, dtype=self.param_dtype or p.dtype, device="meta"))
             compat.set_tensor(self.replica, name, placeholder, parameter=True)
@@ -250,24 +262,10 @@ class AliasReplica:
                 compat.set_tensor(self.replica, name, placeholder, parameter=True)
 
     def _widens(self, p: torch.Tensor) -> bool:
-        wider = self.accumulate_dtype
-        return (
-            wider is not None
-            and p.is_floating_point()
-            and torch.finfo(p.dtype).bits < torch.finfo(wider).bits
-        )
+        return self.accumulate_dtype is not None and _narrower(p.dtype, self.accumulate_dtype)
 
     def _accumulator(self, key: int, wide: dict[int, torch.Tensor]):
-        dtype = self.accumulate_dtype
-
-        def add(leaf: torch.Tensor) -> None:
-            if key in wide:
-                wide[key].add_(leaf.grad)
-            else:
-                wide[key] = leaf.grad.to(dtype)
-            leaf.grad = None
-
-        return add
+        return _accumulate_into(wide, key, self.accumulate_dtype)
 
     def gradient_surrogate(self, zero: bool = False) -> torch.Tensor:
         """A scalar (value 0) whose gradient w.r.t. each trainable model parameter is its gradient
@@ -308,3 +306,26 @@ class AliasReplica:
     def clear(self) -> None:
         """Drop the kept gradients (after they were handed over)."""
         self.grads = {}
+
+
+def _narrower(dtype: torch.dtype, than: torch.dtype) -> bool:
+    """Whether floating ``dtype`` has fewer bits than floating ``than``."""
+    return (
+        dtype.is_floating_point
+        and than.is_floating_point
+        and torch.finfo(dtype).bits < torch.finfo(than).bits
+    )
+
+
+def _accumulate_into(wide: dict[int, torch.Tensor], key: int, dtype: torch.dtype):
+    """A post-accumulate-grad hook that moves each gradient autograd leaves on a parameter into
+    ``wide[key]`` (a ``dtype`` sum), so that a narrow parameter's gradient is summed in ``dtype``."""
+
+    def add(leaf: torch.Tensor) -> None:
+        if key in wide:
+            wide[key].add_(leaf.grad)
+        else:
+            wide[key] = leaf.grad.to(dtype)
+        leaf.grad = None
+
+    return add

@@ -3,7 +3,8 @@
 veRL has no CPU platform and assumes CUDA (device module, current device, NCCL). Registered through
 veRL's own ``PlatformRegistry`` and selected with ``set_platform`` before anything asks for the
 platform: the device module answers memory queries with zeros and the current device is "cpu", the
-backend is gloo. Nothing here is used outside the tests.
+backend is gloo. veRL's log-softmax and entropy take float32 from bf16 logits, as its GPU kernels
+do (:func:`_float32_softmax`; a no-op in float32). Nothing here is used outside the tests.
 """
 
 import contextlib
@@ -161,5 +162,26 @@ class CPUPlatform(PlatformBase):
 _MODULE = _CPUDeviceModule()
 
 
+def _float32_softmax(fn):
+    """``fn`` on half-precision logits upcast to float32 first: on a GPU veRL's log-probs come from
+    flash-attn's cross-entropy kernel, and its entropy from softmax/logsumexp under CUDA autocast,
+    both float32 computations from bf16 logits; CPU autocast keeps those ops in bf16."""
+
+    def upcast(logits, *args, **kwargs):
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        return fn(logits, *args, **kwargs)
+
+    return upcast
+
+
 def install() -> None:
     set_platform(CPUPlatform())
+    import verl.utils.torch_functional as verl_F
+    from verl.workers.engine.fsdp import transformer_impl
+
+    # Before any engine exists (the engine binds entropy_from_logits in __init__).
+    if not getattr(transformer_impl.logprobs_from_logits, "forkrl_float32", False):
+        transformer_impl.logprobs_from_logits = _float32_softmax(transformer_impl.logprobs_from_logits)
+        verl_F.entropy_from_logits = _float32_softmax(verl_F.entropy_from_logits)
+        transformer_impl.logprobs_from_logits.forkrl_float32 = True

@@ -52,14 +52,21 @@ def save_model(path) -> str:
     return save_pretrained(byte_llama(0), byte_tokenizer(), path)
 
 
-def actor_config(forkrl: dict | None, **kw) -> ForkrlFSDPActorConfig:
-    """veRL's actor config (forkrl's subclass; ``forkrl=None`` keeps veRL's own engine)."""
+#: ``fsdp_config`` precision settings: float32 (exactness tests), veRL's default mixed precision
+#: (float32 parameters, bf16 compute under autocast, float32 reduction), bf16 parameters.
+PRECISIONS = {
+    "fp32": dict(model_dtype="fp32", mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}),
+    "mixed": dict(model_dtype="fp32", mixed_precision=None),
+    "bf16": dict(model_dtype="bf16", mixed_precision=None),
+}  # fmt: skip
+
+
+def actor_config(forkrl: dict | None, precision: str = "fp32", **kw) -> ForkrlFSDPActorConfig:
+    """veRL's actor config (forkrl's subclass; ``forkrl=None`` keeps veRL's own engine); ``precision``
+    is a key of :data:`PRECISIONS`."""
     fields = dict(
         rollout_n=1, strategy="fsdp2", ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=False,
-        use_torch_compile=False, fsdp_config=FSDPEngineConfig(
-            use_torch_compile=False, model_dtype="fp32",
-            mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
-        ),
+        use_torch_compile=False, fsdp_config=FSDPEngineConfig(use_torch_compile=False, **PRECISIONS[precision]),
     )  # fmt: skip
     fields.update(kw)
     return ForkrlFSDPActorConfig(forkrl=forkrl or {}, **fields)
