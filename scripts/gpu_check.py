@@ -16,6 +16,9 @@ Stages (``--stages`` picks some):
                  mask: output and gradients, the kernel the selector picked
     exactness    TreeExecutor keep / replay / packed on tiny Llama and Qwen3 models (float32 and
                  bf16) against plain per-sequence autograd: log-probs and gradients
+    precision    the tree under bf16/fp16 autocast over float32 parameters (the CUDA flash kernels and
+                 FlexAttention meeting mixed float32/half inputs) against stock under the same
+                 autocast and float32: the precision criterion of tests/core/test_precision.py
     training     dense vs keep (sibling batches) vs keep one-leaf-at-a-time vs packed on a
                  0.5B-shaped random Llama, bf16, P=8192, G=16, R=512: time, peak memory
     long_context replay with the exact prompt gradient: peak memory at G=2 and G=8, then the
@@ -550,11 +553,77 @@ def stage_drafter(ctx) -> dict:
     return out
 
 
+def stage_precision(ctx) -> dict:
+    """Tree passes under the host's autocast (bf16; fp16 on CUDA) over float32 parameters: mixed
+    float32/half inputs reach the split attention's kernels (CUDA flash under autocast) and the
+    FlexAttention tree mask. Per case, ``|tree - fp32|`` and ``|tree - stock|`` over
+    ``|stock - fp32|`` on the log-probs and the gradient (tests/core/test_precision.py's criterion:
+    0.5 .. 1.5 and < 1.5)."""
+    import torch
+
+    from forkrl.core import PrefixForest, TreeExecutor
+    from forkrl.core.testing.models import dense_logprobs
+    from forkrl.core.testing.models import tiny_causal_lm as make_model
+    from tests.core.forests import deep_tree, grpo_group
+
+    dev = ctx.device
+    a, fa = grpo_group(seed=3, group=6)
+    b, fb = deep_tree()
+    seqs, sf = a + b, fa + fb
+    g = torch.Generator().manual_seed(7)
+    coefs = [torch.randn(len(s) - f, generator=g).to(dev) for s, f in zip(seqs, sf, strict=True)]
+    flat = lambda xs: torch.cat([x.detach().double().flatten().cpu() for x in xs])  # noqa: E731
+
+    def stock(model):
+        model.zero_grad(set_to_none=True)
+        lps, _ = dense_logprobs(model, seqs, sf)
+        sum((lp.float() * c).sum() for lp, c in zip(lps, coefs, strict=True)).backward()
+        return flat(lps), flat([p.grad for p in model.parameters()])
+
+    def tree(model, mode):
+        model.zero_grad(set_to_none=True)
+        forest = PrefixForest.build(seqs, sf)
+        ex = TreeExecutor(model, mode=mode, block_size=3 if mode == "replay" else None)
+        scored = ex.score(forest)
+        ex.backward(forest, coefs)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+        return flat(scored.logprobs), flat(grads)
+
+    half = (torch.bfloat16, torch.float16) if dev.type == "cuda" else (torch.bfloat16,)
+    out, worst = {}, {"off_max": 0.0, "off_min": float("inf"), "near_max": 0.0}
+    for name in ("llama-gqa", "qwen3"):
+        model = make_model(name, dtype=torch.float32).to(dev)
+        exact = stock(model)
+        for dtype in half:
+            with torch.autocast(dev.type, dtype=dtype):
+                ref = stock(model)
+                for mode in ("keep", "replay", "packed"):
+                    got = tree(model, mode)
+                    case = {}
+                    for i, what in enumerate(("logprobs", "grad")):
+                        gap = float((ref[i] - exact[i]).norm()) or 1e-30
+                        off, near = (
+                            float((got[i] - exact[i]).norm()) / gap,
+                            float((got[i] - ref[i]).norm()) / gap,
+                        )
+                        case[what] = {"off": off, "near": near}
+                        worst["off_max"], worst["off_min"] = (
+                            max(worst["off_max"], off),
+                            min(worst["off_min"], off),
+                        )
+                        worst["near_max"] = max(worst["near_max"], near)
+                    out[f"{name}/{dtype}/{mode}"] = case
+            ctx.partial({"cases": out})
+    ok = worst["off_min"] >= 0.5 and worst["off_max"] <= 1.5 and worst["near_max"] < 1.5
+    return {"criterion_met": ok, "worst": worst, "packed_backend": _packed_backend(dev), "cases": out}
+
+
 STAGES = {
     "env": (stage_env, 10),
     "ops": (stage_ops, 30),
     "attention": (stage_attention, 30),
     "exactness": (stage_exactness, 60),
+    "precision": (stage_precision, 40),
     "training": (stage_training, 150),
     "long_context": (stage_long_context, 90),
     "drafter": (stage_drafter, 60),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,3 +41,25 @@ def test_trl_grpo_tree_example_runs():
     # The main job's output is its own summary: no library warnings, progress bars or log dicts.
     for noise in ("Warning", "it/s]", "Loading weights", "{'loss'"):
         assert noise not in log, f"{noise!r} in the example's output:\n{log[-2000:]}"
+
+
+def test_readme_trl_snippet_runs_on_a_cpu_machine_as_written(tmp_path):
+    """The README's TRL snippet, with a local tiny model for the hub name and one step: it runs on
+    a machine without a GPU as written (TRL's bf16=True default, use_cpu=True)."""
+    from forkrl.core.testing.models import byte_llama, byte_tokenizer, save_pretrained
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Using it in TRL", 1)[1]
+    snippet = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert 'GRPOTrainer("Qwen/Qwen2.5-0.5B-Instruct"' in snippet and "use_cpu=True" in snippet
+    path = save_pretrained(byte_llama(0), byte_tokenizer(), tmp_path / "model")
+    code = snippet.replace('"Qwen/Qwen2.5-0.5B-Instruct"', repr(path)).replace(
+        'output_dir="out",', f'output_dir={str(tmp_path / "out")!r}, max_steps=1, report_to="none",'
+    )
+    script = tmp_path / "snippet.py"
+    script.write_text(code + "\nassert any('tree/compression' in h for h in trainer.state.log_history)\n")
+    env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=600, env={**os.environ, **env}
+    )
+    assert out.returncode == 0, out.stderr[-3000:]

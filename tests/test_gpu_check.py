@@ -22,7 +22,17 @@ def test_gpu_check_runs_every_stage_on_cpu(tmp_path):
     stages = report["stages"]
     failed = {k: v.get("error") for k, v in stages.items() if v["status"] != "ok"}
     assert proc.returncode == 0 and not failed, (failed, proc.stdout[-2000:], proc.stderr[-2000:])
-    assert set(stages) == {"env", "ops", "attention", "exactness", "training", "long_context", "drafter"}
+    assert set(stages) == {
+        "env",
+        "ops",
+        "attention",
+        "exactness",
+        "precision",
+        "training",
+        "long_context",
+        "drafter",
+    }
+    assert stages["precision"]["criterion_met"], stages["precision"]["worst"]
     assert stages["ops"]["causal_self"]["grad_err"] < 1e-5
     assert stages["attention"]["torch.float32"]["kernel"] == "split"
     assert stages["attention"]["torch.float32"]["grad_err"] < 1e-5
