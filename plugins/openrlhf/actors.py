@@ -20,6 +20,7 @@ from openrlhf.trainer.ray.ppo_actor import PolicyModelActor as _HostPolicy
 from forkrl.core import TreeStep
 
 from ..deepspeed import gathered
+from ..fields import has_content
 from . import compat
 from .options import options_from
 from .trainer import TreeActorPPOTrainer, score_log_probs, tree_module
@@ -45,7 +46,8 @@ class TreePolicyModelActor(_HostPolicy.__ray_actor_class__):
         """Old-policy action log-probs ``[B, num_actions]``: tree-scored with tree training on."""
         tree = getattr(self.trainer, "tree_step", None)
         module = tree_module(self.actor)
-        if tree is None or mm_train_inputs_list or action_mask is None:
+        # By content: OpenRLHF passes mm_train_inputs_list=[[None], ...] for text samples too.
+        if tree is None or has_content(mm_train_inputs_list) or action_mask is None:
             return super().forward(
                 sequences, action_mask, attention_mask, packed_seq_lens, mm_train_inputs_list
             )
@@ -79,7 +81,7 @@ class TreeReferenceModelActor(_HostReference.__ray_actor_class__):
         """Reference action log-probs ``[B, num_actions]``: tree-scored with tree training on."""
         tree = getattr(self, "tree_step", None)
         module = tree_module(self.model)
-        if tree is None or return_output or mm_train_inputs_list or action_mask is None:
+        if tree is None or return_output or has_content(mm_train_inputs_list) or action_mask is None:
             return super().forward(
                 sequences, action_mask, attention_mask, return_output, packed_seq_lens, mm_train_inputs_list
             )

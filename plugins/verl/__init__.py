@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-__all__ = ["CONFIG_DIR", "register"]
+__all__ = ["AUTOLOAD", "CONFIG_DIR", "MODULES_RESOLVER", "external_modules", "register"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,17 @@ logger = logging.getLogger(__name__)
 CONFIG_DIR = Path(__file__).resolve().parent / "config"
 
 _registered = False
+
+#: The OmegaConf resolver forkrl_base.yaml composes the workers' ``VERL_USE_EXTERNAL_MODULES`` with.
+MODULES_RESOLVER = "forkrl_external_modules"
+AUTOLOAD = "forkrl.plugins.verl.autoload"
+
+
+def external_modules(user: str = "") -> str:
+    """``VERL_USE_EXTERNAL_MODULES`` for veRL's Ray workers: the user's own modules (a platform
+    module, a custom reward module: comma-separated, as veRL splits it), then forkrl's autoload."""
+    modules = [m.strip() for m in str(user or "").split(",") if m.strip()]
+    return ",".join(modules + ([AUTOLOAD] if AUTOLOAD not in modules else []))
 
 
 def register() -> None:
@@ -45,5 +56,9 @@ def register() -> None:
     EngineRegistry.register(model_type="language_model", backend=BACKEND, device=["cuda", "npu"])(
         TreeFSDPEngineWithLMHead
     )
+    from omegaconf import OmegaConf
+
+    # forkrl_base.yaml's Ray workers load forkrl beside the modules the user names in the variable.
+    OmegaConf.register_new_resolver(MODULES_RESOLVER, external_modules, replace=True)
     _registered = True
     logger.info("forkrl: veRL plugin loaded; engine backend %r registered for language models", BACKEND)

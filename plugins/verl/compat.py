@@ -14,6 +14,8 @@ import torch
 
 from forkrl.core.compat import Private, check_private, parameter_names
 
+from ..fields import has_content
+
 __all__ = [
     "CHECKED",
     "PRIVATES",
@@ -124,6 +126,10 @@ def _tensordict_utils() -> None:
 
     for name in ("get_non_tensor_data", "assign_non_tensor"):
         assert callable(getattr(tu, name)), name
+    # What carries() reads: the v1 agent loop's per-row multi_modal_inputs, {} for text rows.
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    assert "multi_modal_inputs = {}" in inspect.getsource(AgentLoopWorker._compute_multi_modal_inputs)
 
 
 PRIVATES: tuple[Private, ...] = (
@@ -178,6 +184,22 @@ def non_tensor(data, key: str, default=None):
     from verl.utils import tensordict_utils as tu
 
     return tu.get_non_tensor_data(data=data, key=key, default=default)
+
+
+def carries(data, key: str) -> bool:
+    """Whether batch field ``key`` holds anything, not just whether it exists: veRL's v1 agent loop
+    writes ``multi_modal_inputs`` for every row, an empty dict for a text row (``agent_loop_tq.py``)."""
+    return key in data.keys() and has_content(data[key], unwrap=_plain)
+
+
+def _plain(value):
+    from tensordict.tensorclass import NonTensorData, NonTensorStack
+
+    if isinstance(value, NonTensorStack):
+        return value.tolist()
+    if isinstance(value, NonTensorData):
+        return value.data
+    return value
 
 
 def global_batch_info(engine, data) -> None:

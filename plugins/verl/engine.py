@@ -192,7 +192,8 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             problems.append("pad_to_length")
         if self.is_param_offload_enabled:
             problems.append("parameter offload")
-        if any(k in data.keys() for k in ("multi_modal_inputs", "routed_experts", "teacher_logprobs")):
+        # By content: veRL's v1 agent loop writes multi_modal_inputs ({} per text row) for every run.
+        if any(compat.carries(data, k) for k in ("multi_modal_inputs", "routed_experts", "teacher_logprobs")):
             problems.append("multi-modal inputs, routed experts or teacher log-probs")
         if problems:
             raise ValueError(

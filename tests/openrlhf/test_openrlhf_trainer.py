@@ -318,3 +318,79 @@ def test_bf16_tree_is_within_bf16_rounding_of_stock(stage):
         dist(tree, stock) / change,
         dist(stock, exact) / change,
     )
+
+
+def test_experience_maker_text_samples_are_tree_scored(monkeypatch):
+    """OpenRLHF's own experience maker on text samples as its samples generator builds them
+    (``mm_train_inputs=[None]`` per sample, so ``make_experience`` passes ``mm_train_inputs_list``
+    to every actor ``forward``): the policy's and the reference's log-probs are tree-scored (the
+    actors fell back to stock whenever the argument was present) and equal OpenRLHF's own actors'."""
+    from types import SimpleNamespace
+
+    from openrlhf.trainer.ppo_utils import experience_maker
+    from openrlhf.trainer.ppo_utils.experience import Experience
+    from openrlhf.trainer.ray.launcher import ReferenceModelActor
+    from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
+
+    from forkrl.core import TreeStep
+    from forkrl.plugins.deepspeed import gathered
+    from forkrl.plugins.openrlhf import actors
+
+    t = h.trainer(h.parse_args(h.command("unused", "--forkrl.tree_packing")), tree=True)
+    samples = []  # as SamplesGenerator builds one Experience per response (samples_generator.py)
+    for p, r in h.rollouts(seed=6):
+        ids = torch.tensor([p + r])
+        samples.append(
+            Experience(
+                sequences=ids, attention_mask=torch.ones_like(ids), action_mask=torch.tensor([[1] * len(r)]).bool(),
+                prompts=["q"], labels=[""], images=[None], mm_train_inputs=[None], rewards=torch.tensor([0.5]),
+                response_length=torch.tensor([len(r)]), truncated=torch.tensor([False]),
+                total_length=torch.tensor([len(p) + len(r)]), info={},
+            )
+        )  # fmt: skip
+    batches = [Experience.concat_experiences(samples[i : i + 4], 0) for i in range(0, len(samples), 4)]
+
+    def policy(cls):
+        a = object.__new__(cls)
+        a.actor, a.trainer, a.strategy = t.actor, t, t.strategy
+        return a
+
+    def reference(cls):
+        a = object.__new__(cls)
+        a.model, a.strategy = t.actor, t.strategy
+        a.tree_step = TreeStep(t.tree_options, temperature=t.actor.temperature, gather=gathered)
+        return a
+
+    class Group:  # one in-process actor for the Ray group: its method per micro-batch, as the workers run it
+        def __init__(self, actor):
+            self.actor = actor
+
+        def async_run_method_batch(self, method_name, **kwargs):
+            calls = [dict(zip(kwargs, values, strict=True)) for values in zip(*kwargs.values(), strict=True)]
+            return [[getattr(self.actor, method_name)(**c) for c in calls]]
+
+    scored = []
+    real = TreeStep.score_window
+    monkeypatch.setattr(
+        TreeStep, "score_window", lambda self, *a, **k: scored.append(1) or real(self, *a, **k)
+    )
+    monkeypatch.setattr(experience_maker, "ray", SimpleNamespace(put=lambda x: x, get=lambda x: x))
+
+    def make(policy_cls, reference_cls):
+        maker = object.__new__(experience_maker.RemoteExperienceMaker)
+        maker.strategy, maker.args = t.strategy, t.strategy.args
+        maker.actor_model_group, maker.initial_model_group = (
+            Group(policy(policy_cls)),
+            Group(reference(reference_cls)),
+        )
+        maker.critic_model_group = maker.reward_model_group = None
+        with h.cpu():
+            return maker.make_experience([h._copy(b) for b in batches])
+
+    ours = make(actors.TreePolicyModelActor, actors.TreeReferenceModelActor)
+    assert len(scored) == 2 * len(batches)  # every micro-batch, policy and reference, through the tree
+    stock = make(PolicyModelActor.__ray_actor_class__, ReferenceModelActor.__ray_actor_class__)
+    assert len(scored) == 2 * len(batches)
+    for a, b in zip(ours, stock, strict=True):
+        assert max_rel_err([a.action_log_probs], [b.action_log_probs]) < 1e-5
+        assert max_rel_err([a.kl], [b.kl]) < 1e-3 * max(1.0, float(b.kl.abs().max()))

@@ -103,6 +103,24 @@ def worker(
 rows = grpo_rollouts  # GRPO-shaped (prompt, response) token lists
 
 
+def agent_loop_fields(td: TensorDict, rollouts) -> TensorDict:
+    """The per-row ``multi_modal_inputs`` veRL's v1 agent loop writes for every row (text rows: what
+    its own ``_compute_multi_modal_inputs`` returns without a processor, an empty dict)."""
+    from types import SimpleNamespace
+
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    worker = SimpleNamespace(processor=None)
+    rows = [
+        AgentLoopWorker._compute_multi_modal_inputs(
+            worker, SimpleNamespace(multi_modal_data=None), torch.tensor(p + r)
+        )
+        for p, r in rollouts
+    ]
+    tu.assign_non_tensor_stack(td, "multi_modal_inputs", rows)
+    return td
+
+
 def batch(rollouts, seed: int = 0, kl: bool = False, is_weights: bool = False) -> TensorDict:
     """The rollouts as veRL's trainer hands them to the actor (no-padding layout, response tensors)."""
     g = torch.Generator().manual_seed(1000 + seed)

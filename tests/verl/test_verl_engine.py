@@ -102,6 +102,30 @@ def test_tree_engine_equals_stock(name, model_path):
         assert mt["tree/compression"][0] > 1.0
 
 
+def test_text_rows_of_the_v1_agent_loop_train_and_score(model_path):
+    """veRL's v1 agent loop (main_ppo's default path) writes ``multi_modal_inputs`` for every row, an
+    empty dict for text: the tree engine trains and scores such batches like stock (it refused every
+    text run when it looked at the key instead of its content), and still refuses real images."""
+    stock, tree = _pair(model_path)
+    rollouts = h.rows()
+    init = h.parameters(stock)
+    for step in range(2):
+        td = h.agent_loop_fields(h.batch(rollouts, seed=step), rollouts)
+        lp_s, _, _ = h.log_probs(stock, td)
+        lp_t, _, _ = h.log_probs(tree, td)
+        torch.testing.assert_close(lp_t, lp_s, rtol=1e-5, atol=2e-6)
+        h.update(stock, td, 8, True), h.update(tree, td, 8, True)
+    assert _relative(h.parameters(tree), h.parameters(stock), init) < TOL
+    td = h.agent_loop_fields(h.batch(rollouts), rollouts)
+    from verl.utils import tensordict_utils as tu
+
+    rows = [{} for _ in rollouts]
+    rows[3] = {"pixel_values": torch.zeros(4, 8)}
+    tu.assign_non_tensor_stack(td, "multi_modal_inputs", rows)
+    with pytest.raises(ValueError, match="multi-modal inputs"):
+        h.update(tree, td, 8, True)
+
+
 def test_rollout_importance_weights(model_path):
     stock, tree = _pair(model_path)
     init, _ = _train_both(stock, tree, is_weights=True)

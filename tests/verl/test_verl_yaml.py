@@ -54,6 +54,26 @@ def _build(cfg):
     return actor, omega_conf_to_dataclass(ref_node)
 
 
+def test_workers_load_the_users_external_modules_and_forkrl(model_path, monkeypatch):
+    """forkrl_base.yaml adds forkrl's autoload to the user's VERL_USE_EXTERNAL_MODULES (a platform or
+    reward module) instead of overwriting it; veRL imports the comma-separated list in every worker."""
+    from omegaconf import OmegaConf
+
+    for user, want in [
+        (None, "forkrl.plugins.verl.autoload"),
+        ("my_platform", "my_platform,forkrl.plugins.verl.autoload"),
+        ("a.b, c", "a.b,c,forkrl.plugins.verl.autoload"),
+        ("forkrl.plugins.verl.autoload,x", "forkrl.plugins.verl.autoload,x"),
+    ]:
+        if user is None:
+            monkeypatch.delenv("VERL_USE_EXTERNAL_MODULES", raising=False)
+        else:
+            monkeypatch.setenv("VERL_USE_EXTERNAL_MODULES", user)
+        cfg = _compose("forkrl_tree", model_path)
+        env = OmegaConf.to_container(cfg.ray_kwargs.ray_init, resolve=True)["runtime_env"]["env_vars"]
+        assert env["VERL_USE_EXTERNAL_MODULES"] == want, user
+
+
 @pytest.mark.parametrize("name", ["forkrl_tree", "forkrl_long_context"])
 def test_yaml_builds_forkrl_configs_and_passes_verl_validation(name, model_path):
     from verl.trainer.main_ppo import need_critic, need_reference_policy
