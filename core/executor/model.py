@@ -251,11 +251,22 @@ class _Fp32AccumulatedLinear(torch.autograd.Function):
         grad_hidden = grad_weight = grad_bias = None
         # A backward called inside an autocast region would cast these products back to half precision.
         with torch.autocast(grad.device.type, enabled=False):
-            g = grad.to(ctx.dtype).float()  # [rows, vocab]
+            g = grad.to(ctx.dtype)  # [rows, vocab]
             if ctx.needs_input_grad[0]:
-                grad_hidden = (g @ weight.to(ctx.dtype).float()).to(hidden.dtype)
+                grad_hidden = _mm_float32(g, weight.to(ctx.dtype)).to(hidden.dtype)
             if ctx.needs_input_grad[1]:
-                grad_weight = (g.t() @ hidden.to(ctx.dtype).float()).to(weight.dtype)
+                grad_weight = _mm_float32(g.t(), hidden.to(ctx.dtype)).to(weight.dtype)
             if ctx.has_bias and ctx.needs_input_grad[2]:
-                grad_bias = g.sum(0).to(weight.dtype)
+                grad_bias = g.float().sum(0).to(weight.dtype)
         return grad_hidden, grad_weight, grad_bias, None
+
+
+def _mm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` summed and returned in float32: on CUDA from half inputs in one GEMM with a float32
+    output (``out_dtype``, torch >= 2.8), elsewhere on float32 copies."""
+    if a.is_cuda and a.dtype in (torch.float16, torch.bfloat16):
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError):  # an older torch: the float32 copies below
+            pass
+    return a.float() @ b.float()

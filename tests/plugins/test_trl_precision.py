@@ -150,3 +150,44 @@ def test_speculative_rollout_under_bf16_keeps_greedy_rollouts(tmp_path):
     _, trainer = _run(path, tmp_path / "t", True, seen_spec, **greedy, **SPEC)
     assert len(seen_spec) == 24 and seen_spec == seen_stock
     assert any(h.get("spec/target_calls", 0) > 0 for h in trainer.state.log_history)
+
+
+@pytest.mark.parametrize("precision", ["fp32_accumulate", "fp32"])
+def test_head_precision_is_trls_fused_lm_head(precision):
+    """The tree's LM head in TRL's precision (``head_precision``) against TRL's own chunked log-prob
+    kernel under bf16 autocast: log-probs, entropies and the gradients of hidden states and weight
+    (TRL sums the gradient products in float32; ``cast_lm_head_to_fp32`` runs the head in float32)."""
+    from trl.kernels import ChunkedLogProbFunction
+
+    from forkrl.core.executor.model import ModelAdapter
+
+    model = byte_model("llama-gqa")
+    adapter = ModelAdapter(model)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(7, 32, generator=g)
+    targets = torch.randint(0, 256, (7,), generator=g)
+    c_lp, c_ent = torch.randn(7, generator=g), torch.randn(7, generator=g)
+    weight = model.lm_head.weight
+
+    def ours():
+        h = hidden.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logp = torch.log_softmax(adapter.logits(h, 0.7, precision), -1)
+            lp, ent = logp[torch.arange(7), targets], -(logp.exp() * logp).sum(-1)
+            ((lp * c_lp).sum() + (ent * c_ent).sum()).backward()
+        return lp.detach(), ent.detach(), h.grad, weight.grad
+
+    def trls():
+        h = hidden.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32"):
+            lp, ent, *_ = ChunkedLogProbFunction.apply(
+                h, weight, None, targets, 0.7, 64, None, 1.0, ("entropy",)
+            )
+        ((lp * c_lp).sum() + (ent * c_ent).sum()).backward()
+        return lp.detach(), ent.detach(), h.grad, weight.grad
+
+    got = ours()
+    weight.grad = None
+    want = trls()
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)
