@@ -288,8 +288,8 @@ def test_policy_and_reference_actors_tree_score_like_openrlhf(stage):
 @pytest.mark.parametrize("stage", ["2", "3"])
 def test_bf16_tree_is_within_bf16_rounding_of_stock(stage):
     """DeepSpeed's bf16 mode (OpenRLHF's default dtype), ZeRO-2 and ZeRO-3: forkrl's parameters after 4
-    optimizer steps are within half of stock bf16's distance to stock float32 (measured at ZeRO-2:
-    1.2e-2 vs 4.0e-2 of the update), i.e. within bf16's own rounding noise."""
+    optimizer steps are within half of stock bf16's distance to stock float32 (measured 0.31 of it at
+    ZeRO-2 and ZeRO-3), i.e. within bf16's own rounding noise."""
     argv = h.command("unused", "--actor.entropy_coef", "0.01", "--forkrl.tree_packing")
     i = argv.index("--ds.zero_stage")
     argv[i + 1] = stage
