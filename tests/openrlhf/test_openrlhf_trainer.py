@@ -4,6 +4,8 @@ equal parameters after several optimizer steps (SGD, float32, so the parameters 
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -233,6 +235,24 @@ def test_deepspeed_zero2_keeps_only_the_last_backward_without_accumulation():
     assert updates[3] == pytest.approx([1.0, 1.0, 0.0, 0.0], abs=1e-5)
 
 
+def _policy_actor(t, cls):
+    """A policy actor of class ``cls`` around trainer ``t``, as ``init_model_from_pretrained`` leaves it."""
+    a = object.__new__(cls)
+    a.actor, a.trainer, a.strategy = t.actor, t, t.strategy
+    return a
+
+
+def _reference_actor(t, cls):
+    """A reference actor of class ``cls`` on ``t``'s model, with the tree scorer its init builds."""
+    from forkrl.core import TreeStep
+    from forkrl.plugins.deepspeed import gathered
+
+    a = object.__new__(cls)
+    a.model, a.strategy = t.actor, t.strategy
+    a.tree_step = TreeStep(t.tree_options, temperature=t.actor.temperature, gather=gathered)
+    return a
+
+
 @pytest.mark.parametrize("stage", ["2", "3"])
 def test_policy_and_reference_actors_tree_score_like_openrlhf(stage):
     """forkrl's Ray actor classes (their forward, as Ray runs it in the worker) against OpenRLHF's:
@@ -241,9 +261,7 @@ def test_policy_and_reference_actors_tree_score_like_openrlhf(stage):
     from openrlhf.trainer.ray.launcher import ReferenceModelActor
     from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
-    from forkrl.core import TreeStep
     from forkrl.core.train import is_zero3
-    from forkrl.plugins.deepspeed import gathered
     from forkrl.plugins.openrlhf import actors
 
     argv = h.command("unused", "--rollout.temperature", "0.9", "--forkrl.tree_packing")
@@ -254,18 +272,7 @@ def test_policy_and_reference_actors_tree_score_like_openrlhf(stage):
     e = h.experience(h.rollouts(seed=5), seed=5)
     inputs = (e.sequences, e.action_mask, e.attention_mask)
 
-    def policy(cls):
-        a = object.__new__(cls)
-        a.actor, a.trainer, a.strategy = t.actor, t, t.strategy
-        return a
-
-    def reference(cls):
-        a = object.__new__(cls)
-        a.model, a.strategy = t.actor, t.strategy
-        a.tree_step = TreeStep(
-            t.tree_options, temperature=t.actor.temperature, gather=gathered
-        )  # as its init
-        return a
+    policy, reference = partial(_policy_actor, t), partial(_reference_actor, t)
 
     with h.cpu():
         for host, ours in (
@@ -333,7 +340,6 @@ def test_experience_maker_text_samples_are_tree_scored(monkeypatch):
     from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
     from forkrl.core import TreeStep
-    from forkrl.plugins.deepspeed import gathered
     from forkrl.plugins.openrlhf import actors
 
     t = h.trainer(h.parse_args(h.command("unused", "--forkrl.tree_packing")), tree=True)
@@ -350,16 +356,7 @@ def test_experience_maker_text_samples_are_tree_scored(monkeypatch):
         )  # fmt: skip
     batches = [Experience.concat_experiences(samples[i : i + 4], 0) for i in range(0, len(samples), 4)]
 
-    def policy(cls):
-        a = object.__new__(cls)
-        a.actor, a.trainer, a.strategy = t.actor, t, t.strategy
-        return a
-
-    def reference(cls):
-        a = object.__new__(cls)
-        a.model, a.strategy = t.actor, t.strategy
-        a.tree_step = TreeStep(t.tree_options, temperature=t.actor.temperature, gather=gathered)
-        return a
+    policy, reference = partial(_policy_actor, t), partial(_reference_actor, t)
 
     class Group:  # one in-process actor for the Ray group: its method per micro-batch, as the workers run it
         def __init__(self, actor):
