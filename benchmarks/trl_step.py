@@ -11,6 +11,7 @@ optimizer step after one warm-up, and how far the tree's gradient is from stock 
     .venv/bin/python -m benchmarks.trl_step                      # small model, P=2048, G=8, R=256
     .venv/bin/python -m benchmarks.trl_step --model tiny --P 512 --steps 2
     .venv/bin/python -m benchmarks.trl_step --gradient-checkpointing   # both with TRL's default checkpointing
+    .venv/bin/python -m benchmarks.trl_step --bf16               # TRL's default bf16=True (autocast)
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def make_trainer(method: str, args, model_dir: str, tok, out: Path):
     common = dict(
         output_dir=str(out / method),
         use_cpu=args.device == "cpu",
-        bf16=False,
+        bf16=args.bf16,
         report_to="none",
         save_strategy="no",
         per_device_train_batch_size=args.micro_batch,
@@ -116,6 +117,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=3, help="measured optimizer steps (after one warm-up)")
     ap.add_argument(
         "--gradient-checkpointing", action="store_true", help="TRL's default; off by default here"
+    )
+    ap.add_argument(
+        "--bf16", action="store_true", help="TRL's default bf16=True (autocast); float32 otherwise"
     )
     ap.add_argument("--methods", default="stock,tree")
     ap.add_argument("--device", default="cpu")
@@ -183,7 +187,8 @@ def summarize(methods: list[str], times, grads, compression):
 def report(args, rows, times, speedup, agreement) -> None:
     print(
         f"TRL GRPO training phase per optimizer step: model={args.model} P={args.P} G={args.G} R={args.R} "
-        f"groups/step={args.groups} micro-batch={args.micro_batch} gradient_checkpointing={args.gradient_checkpointing}"
+        f"groups/step={args.groups} micro-batch={args.micro_batch} gradient_checkpointing={args.gradient_checkpointing} "
+        f"bf16={args.bf16}"
     )
     print_table(
         rows,
@@ -208,6 +213,7 @@ def report(args, rows, times, speedup, agreement) -> None:
                 "groups": args.groups,
                 "micro_batch": args.micro_batch,
                 "gradient_checkpointing": args.gradient_checkpointing,
+                "bf16": args.bf16,
                 "step_s": {m: statistics.median(times[m]) for m in times},
                 "speedup": speedup,
                 "grad_agreement": agreement,
