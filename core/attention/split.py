@@ -195,7 +195,7 @@ class _SplitAttention(torch.autograd.Function):
         flash = kernels[0]
         # The kernels run in ``dtype`` (autocast's, as sdpa would be cast); the pieces are saved as
         # they are (by reference, no copy kept) and cast again per piece in backward.
-        ctx.dtypes = (q.dtype, k_self.dtype, v_self.dtype, [p.dtype for p in pieces])
+        ctx.dtypes = (q.dtype, k_self.dtype, v_self.dtype)
         q, k_self, v_self = (t.to(dtype) for t in (q, k_self, v_self))
         q = q.contiguous()
         out, lse = flash(q, _expand(k_self, n_rep), _expand(v_self, n_rep), 0.0, True, scale=scale)
@@ -233,7 +233,7 @@ class _SplitAttention(torch.autograd.Function):
             dq = dq + _unfold(dq_i, b, h, q_len)
             dks.append(dk.to(k.dtype))
             dvs.append(dv.to(v.dtype))
-        q_dt, k_dt, v_dt, _ = ctx.dtypes
+        q_dt, k_dt, v_dt = ctx.dtypes
         dk_self, dv_self = _reduce(dk_self, n_rep).to(k_dt), _reduce(dv_self, n_rep).to(v_dt)
         return (dq.to(q_dt), dk_self, dv_self, None, None, None, None, None, *dks, *dvs)
 
