@@ -7,6 +7,8 @@ Packages, each split by the axis it grows on:
 - :mod:`.attention`: attention backends behind one selector (CPU split attention, tree masks).
 - :mod:`.objective`: the bridge from a host's own loss on leaf tensors to the exact gradient.
 - :mod:`.train`: the host-neutral training step every plugin calls, and :class:`TreeOptions`.
+- :mod:`.balance`: tree-aware data-parallel balancing (cost model fitted to timings, the plan,
+  rows moved between ranks).
 - :mod:`.speculative`: self-speculative rollout (acceptance math, policy and cost model, the
   Hugging Face engine, stats, :class:`~forkrl.core.speculative.SpeculativeOptions`).
 - :mod:`.quant`: weight-only int4/int8 linear layers and the self-drafter.

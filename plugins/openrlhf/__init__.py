@@ -8,6 +8,8 @@ Run OpenRLHF's usual command through forkrl's launcher, with forkrl's flags adde
 - :mod:`.actors`: the policy and reference Ray actors (tree-scored old/reference log-probs).
 - :mod:`.trainer`: :class:`~.trainer.TreeActorPPOTrainer`, each optimizer step one forest.
 - :mod:`.options`: the ``--forkrl.*`` flags and the OpenRLHF settings they refuse.
+- :mod:`.balance`: ``--forkrl.tree_balance``, a window's rows moved between ranks by tree cost.
+- :mod:`.rollout`: ``--forkrl.speculative_rollout``, forkrl's drafter in each vLLM engine's arguments.
 - :mod:`.compat`: every OpenRLHF name the plugin swaps and private it reads, with its version.
 
 Importing this package does not import OpenRLHF; the submodules above (except ``options``) do.

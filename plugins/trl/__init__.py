@@ -6,6 +6,10 @@
 - :mod:`.config`: TRL's configs plus forkrl's options (core's ``TreeOptions`` and
   ``SpeculativeOptions``) and the rules only TRL's settings decide.
 - :mod:`.trainer`: the trainer subclasses, thin adapters over :class:`forkrl.core.train.TreeStep`.
+- :mod:`.balance`: ``tree_balance``, a window's rows moved between data-parallel ranks by tree cost.
+- :mod:`.vllm_speculative`: ``speculative_rollout`` with ``use_vllm``: the colocated engine's
+  config and the ``spec/*`` counters.
+- :mod:`.vllm_serve`: ``trl vllm-serve`` with forkrl's drafter (server mode; needs vLLM).
 - :mod:`.compat`: every TRL/accelerate private the plugin relies on, checked by the contract tests.
 
 Needs TRL (``pip install 'forkrl[trl]'``).

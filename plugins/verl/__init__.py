@@ -8,7 +8,10 @@
 - :mod:`.config`: ``ForkrlFSDPActorConfig`` (``FSDPActorConfig`` plus a ``forkrl`` block).
 - :mod:`.balance`: ``forkrl.tree_balance``, each mini-batch's rows moved between the dp ranks by tree cost.
 - :mod:`.compat`: every veRL private the plugin relies on, checked by the contract tests.
-- ``config/``: the override YAMLs (``forkrl_tree.yaml``, ``forkrl_long_context.yaml``).
+- :mod:`.autoload`: the ``verl.plugins`` entry point (registers the engine in every veRL process).
+- ``config/``: the override YAMLs, primary: ``forkrl_tree``, ``forkrl_long_context``,
+  ``forkrl_speculative``, ``forkrl_tree_speculative``; composed by them: ``forkrl_base``,
+  ``forkrl_speculative_base``.
 
 :func:`register` adds the engine to veRL's registry; veRL's worker processes call it through the
 ``verl.plugins`` entry point (module :mod:`.autoload`), which logs one INFO line when active.
