@@ -1,4 +1,4 @@
-"""One prepared run of everything forkrl can only check on a GPU (issue 14), about 6-7 minutes on an H200 (the budget: 460 s).
+"""One prepared run of everything forkrl can only check on a GPU (issue 14), about 6-7 minutes on an H200.
 
 Runs from a plain copy of the working tree: no install step, no network (forkrl is mapped from the
 tree's folders when it is not installed). Each stage has its own time budget, is skipped when the
