@@ -562,6 +562,7 @@ def stage_precision(ctx) -> dict:
     import torch
 
     from forkrl.core import PrefixForest, TreeExecutor
+    from forkrl.core.testing import Bf16Rounding
     from forkrl.core.testing.models import dense_logprobs
     from forkrl.core.testing.models import tiny_causal_lm as make_model
     from tests.core.forests import deep_tree, grpo_group
@@ -601,11 +602,8 @@ def stage_precision(ctx) -> dict:
                     got = tree(model, mode)
                     case = {}
                     for i, what in enumerate(("logprobs", "grad")):
-                        gap = float((ref[i] - exact[i]).norm()) or 1e-30
-                        off, near = (
-                            float((got[i] - exact[i]).norm()) / gap,
-                            float((got[i] - ref[i]).norm()) / gap,
-                        )
+                        rounding = Bf16Rounding(f"{name} {dtype} {mode} {what}", got[i], ref[i], exact[i])
+                        off, near = rounding.off, rounding.near
                         case[what] = {"off": off, "near": near}
                         worst["off_max"], worst["off_min"] = (
                             max(worst["off_max"], off),

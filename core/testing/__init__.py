@@ -1,6 +1,7 @@
 """What exactness tests, benchmarks and examples share.
 
-- :mod:`.precision`: :class:`Float64Mode` (true float64 despite transformers' float32 casts).
+- :mod:`.precision`: :class:`Float64Mode` (true float64 despite transformers' float32 casts),
+  :class:`Bf16Rounding` (the bf16 criterion of the precision tests).
 - :mod:`.memory`: :class:`SavedBytes` (autograd's saved-tensor peak), :func:`peak_rss_bytes`.
 - :mod:`.models`: tiny model and tokenizer builders, and the plain computation to compare with.
 - :mod:`.ranks`: multi-process runs (:func:`~.ranks.torchrun`, one-writer :func:`~.ranks.report`,
@@ -8,6 +9,6 @@
 """
 
 from .memory import SavedBytes, peak_rss_bytes
-from .precision import Float64Mode
+from .precision import Bf16Rounding, Float64Mode
 
-__all__ = ["Float64Mode", "SavedBytes", "peak_rss_bytes"]
+__all__ = ["Bf16Rounding", "Float64Mode", "SavedBytes", "peak_rss_bytes"]

@@ -1,11 +1,41 @@
-"""True float64 for exactness checks."""
+"""True float64 for exactness checks, and the bf16 criterion of the precision tests."""
 
 from __future__ import annotations
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["Float64Mode"]
+__all__ = ["Float64Mode", "Bf16Rounding"]
+
+
+class Bf16Rounding:
+    """One quantity (all log-probs, or a whole parameter update) computed three ways: stock in
+    float32 (``exact``), stock in bf16 (``stock``), the tree in bf16 (``tree``); flat tensors.
+
+    ``gap = |stock - exact|``. ``off``: ``|tree - exact| / gap``; ``near``: ``|tree - stock| / gap``.
+    Under bf16 autocast over float32 weights the tree must be a bf16 computation as accurate as
+    stock (:meth:`check_follows`: ``0.5 <= off <= 1.5``); with bf16 weights, whose rounding
+    dominates, within half the gap of stock (:meth:`check_within_half`).
+    """
+
+    def __init__(self, label: str, tree: torch.Tensor, stock: torch.Tensor, exact: torch.Tensor) -> None:
+        self.label = label
+        tree, stock, exact = (t.detach().double().flatten().cpu() for t in (tree, stock, exact))
+        self.gap = float((stock - exact).norm())
+        assert self.gap > 0, f"{label}: bf16 stock equals float32 stock (nothing was rounded)"
+        self.off = float((tree - exact).norm()) / self.gap
+        self.near = float((tree - stock).norm()) / self.gap
+
+    def check_follows(self, near: float | None = None) -> None:
+        """``0.5 <= off <= 1.5`` (and ``near`` below the bound given)."""
+        assert 0.5 <= self.off <= 1.5 and (near is None or self.near < near), (
+            f"{self.label}: |tree - fp32| {self.off:.3f}, |tree - stock| {self.near:.3f} of |stock_bf16 - fp32| "
+            f"(want 0.5 .. 1.5{'' if near is None else f' and < {near}'})"
+        )
+
+    def check_within_half(self) -> None:
+        """``near < 0.5`` (the OpenRLHF bf16 criterion)."""
+        assert self.near < 0.5, f"{self.label}: |tree - stock_bf16| {self.near:.3f} of the gap (want < 0.5)"
 
 
 def _promote(x):

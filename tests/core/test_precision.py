@@ -25,6 +25,7 @@ import torch
 
 from forkrl.core import PrefixForest, TreeExecutor
 from forkrl.core.executor import RouterLoss
+from forkrl.core.testing import Bf16Rounding
 from forkrl.core.testing.models import dense_logprobs, grads
 from forkrl.core.testing.models import tiny_causal_lm as make_model
 
@@ -93,15 +94,6 @@ def _coefs():
     return [torch.randn(len(s) - f, generator=g) for s, f in zip(seqs, sf, strict=True)]
 
 
-def _check(label: str, tree, stock, exact) -> None:
-    gap = float((stock - exact).norm())
-    off = float((tree - exact).norm())
-    assert gap > 0, f"{label}: bf16 stock equals float32 stock (nothing was rounded)"
-    assert 0.5 * gap <= off <= 1.5 * gap, (
-        f"{label}: |tree - fp32| = {off / gap:.3f} of |stock_bf16 - fp32| (want 0.5 .. 1.5)"
-    )
-
-
 @pytest.mark.parametrize("name,precision,mode", CASES)
 def test_tree_follows_the_hosts_precision(monkeypatch, name, precision, mode):
     """Scoring and training, every mode, split attention on (forced at these sizes), MoE router
@@ -122,7 +114,7 @@ def test_tree_follows_the_hosts_precision(monkeypatch, name, precision, mode):
         stock = _stock(model, seqs, sf, coefs, router)
         tree = _tree(model, mode, seqs, sf, coefs, router)
     for what, i in (("log-probs", 0), ("gradient", 1)):
-        _check(f"{name} {precision} {mode} {what}", tree[i], stock[i], exact[i])
+        Bf16Rounding(f"{name} {precision} {mode} {what}", tree[i], stock[i], exact[i]).check_follows()
 
 
 def test_float32_is_unchanged_by_the_precision_work(monkeypatch):
@@ -148,7 +140,7 @@ def test_the_criterion_catches_a_tree_that_ignores_autocast(monkeypatch):
         stock = _stock(model, seqs, sf, _coefs(), False)
     tree = _tree(model, "keep", seqs, sf, _coefs(), False)  # autocast off: float32
     with pytest.raises(AssertionError, match="want 0.5"):
-        _check("float32 tree", tree[1], stock[1], exact[1])
+        Bf16Rounding("float32 tree", tree[1], stock[1], exact[1]).check_follows()
 
 
 def test_stock_layouts_differ_by_bf16_noise():

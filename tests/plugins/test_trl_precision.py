@@ -23,6 +23,7 @@ import torch
 
 trl = pytest.importorskip("trl")
 
+from forkrl.core.testing import Bf16Rounding  # noqa: E402
 from forkrl.core.testing.models import byte_model, byte_tokenizer, save_pretrained  # noqa: E402
 
 from .trl_helpers import initial_params, prompt_dataset, train, train_rloo  # noqa: E402
@@ -64,12 +65,8 @@ def _three(run, path, tmp_path, **cfg):
 
 
 def _check_autocast(exact, stock, tree, label: str) -> None:
-    gap = float((stock - exact).norm())
-    assert gap > 1e-4 * float(exact.norm()), f"{label}: bf16 did not round anything"
-    off, near = float((tree - exact).norm()) / gap, float((tree - stock).norm()) / gap
-    assert 0.5 <= off <= 1.5 and near < 1.5, (
-        f"{label}: |tree-fp32| {off:.3f}, |tree-stock| {near:.3f} of the gap"
-    )
+    assert float((stock - exact).norm()) > 1e-4 * float(exact.norm()), f"{label}: bf16 did not round anything"
+    Bf16Rounding(label, tree, stock, exact).check_follows(near=1.5)
 
 
 @pytest.mark.parametrize("name", AUTOCAST_ZOO)
@@ -107,8 +104,7 @@ def test_rloo_bf16(paths, tmp_path):
 def test_trl_bf16_parameters(name, paths, tmp_path):
     """bf16 weights (``model_init_kwargs={"dtype": "bfloat16"}``): within half of bf16's own gap of stock."""
     exact, stock, tree = _three(train, paths[name], tmp_path, model_init_kwargs={"dtype": "bfloat16"})
-    gap = float((stock - exact).norm())
-    assert float((tree - stock).norm()) < 0.5 * gap, float((tree - stock).norm()) / gap
+    Bf16Rounding(name, tree, stock, exact).check_within_half()
 
 
 def test_evaluation_under_bf16_scores_with_the_tree(paths, tmp_path):
