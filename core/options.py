@@ -19,9 +19,20 @@ import math
 import numbers
 import types
 import typing
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-__all__ = ["add_arguments", "changed_fields", "check_fields", "field_defaults", "from_namespace", "option"]
+__all__ = [
+    "OptionDoc",
+    "add_arguments",
+    "changed_fields",
+    "check_fields",
+    "field_defaults",
+    "from_namespace",
+    "markdown_table",
+    "option",
+    "option_docs",
+]
 
 
 def option(default: Any, help: str) -> Any:
@@ -120,25 +131,104 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type, prefix: str = "--") -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class OptionDoc:
+    """One option as a host documents it: its name, default, allowed values and help text."""
+
+    name: str
+    default: Any
+    choices: tuple[Any, ...] | None
+    help: str
+
+
+def option_docs(
+    cls: type, only: Sequence[str] | None = None, overrides: Mapping[str, Mapping[str, Any]] | None = None
+) -> list[OptionDoc]:
+    """The fields of ``cls`` as documented options, in declaration order.
+
+    Args:
+        only: the field names a host takes, in the order it lists them (None: all, in declaration order).
+        overrides: per field, a host's ``default``, ``choices`` or ``help`` in place of the class's
+            (OpenRLHF's launcher takes only ``speculative_policy='always'``, for example).
+    """
+    hints = get_type_hints(cls)
+    overrides = overrides or {}
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ValueError(f"overrides for unknown fields {sorted(unknown)} of {cls.__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    missing = set(only or ()) - set(fields)
+    if missing:
+        raise ValueError(f"{cls.__name__} has no fields {sorted(missing)}")
+    docs = []
+    for f in fields.values() if only is None else (fields[name] for name in only):
+        _, choices = _parser_type(hints[f.name])
+        doc = {
+            "default": f.default,
+            "choices": tuple(choices) if choices else None,
+            "help": f.metadata["help"],
+        }
+        doc.update(overrides.get(f.name, {}))
+        docs.append(OptionDoc(f.name, doc["default"], doc["choices"], doc["help"]))
+    return docs
+
+
+def _show(value: Any, style: str) -> str:
+    """``value`` as a host's users write it (``style`` as in :func:`markdown_table`)."""
+    if style == "python" or isinstance(value, str) and style == "flag":
+        return repr(value) if style == "python" else value
+    words = {
+        "yaml": {True: "true", False: "false", None: "null"},
+        "flag": {True: "on", False: "off", None: "(unset)"},
+    }
+    if isinstance(value, bool) or value is None:
+        return words[style][value]
+    return str(value)
+
+
+def markdown_table(docs: Sequence[OptionDoc], key: str = "{name}", style: str = "python") -> str:
+    """A Markdown table of ``docs``: key (``key`` formatted with the name), default, meaning.
+
+    ``style`` writes values as the host's users write them: ``python`` (``None``, ``'auto'``),
+    ``yaml`` (``null``, ``auto``) or ``flag`` (``(unset)``, ``auto``).
+    """
+    lines = ["| Option | Default | Meaning |", "|---|---|---|"]
+    for doc in docs:
+        allowed = ""
+        if doc.choices is not None:
+            allowed = " Allowed: " + ", ".join(f"`{_show(c, style)}`" for c in doc.choices) + "."
+        meaning = (doc.help + allowed).replace("|", "\\|")
+        lines.append(f"| `{key.format(name=doc.name)}` | `{_show(doc.default, style)}` | {meaning} |")
+    return "\n".join(lines)
+
+
+def add_arguments(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    prefix: str = "--",
+    only: Sequence[str] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[str]:
     """Add one flag per field of ``cls`` to ``parser`` (``prefix + name``); returns the destinations.
 
     Booleans take an optional value (``--x``, ``--x true``, ``--x false``). Values are validated
     by :func:`check_fields` after parsing (:func:`from_namespace`), with the same messages as the
-    dataclass itself.
+    dataclass itself. ``only`` and ``overrides`` as in :func:`option_docs` (the help, choices and
+    defaults argparse shows are the documented ones).
     """
     hints = get_type_hints(cls)
     group = parser.add_argument_group(f"{cls.__name__} ({cls.__module__})")
     dests = []
-    for f in dataclasses.fields(cls):
-        kind, choices = _parser_type(hints[f.name])
-        dest = (prefix.lstrip("-") + f.name).replace("-", "_")
-        kwargs: dict[str, Any] = {"dest": dest, "default": f.default, "help": f.metadata.get("help", "")}
+    for doc in option_docs(cls, only, overrides):
+        kind, _ = _parser_type(hints[doc.name])
+        dest = (prefix.lstrip("-") + doc.name).replace("-", "_")
+        kwargs: dict[str, Any] = {"dest": dest, "default": doc.default, "help": doc.help}
         if kind is bool:
-            kwargs.update(nargs="?", const=True, type=_parse_bool)
+            kwargs.update(nargs="?", const=True, type=_parse_bool, metavar="true|false")
         else:
-            kwargs.update(type=kind, choices=choices)
-        group.add_argument(prefix + f.name, **kwargs)
+            metavar = None if doc.choices else {int: "N", float: "X"}.get(kind)
+            kwargs.update(type=kind, choices=list(doc.choices) if doc.choices else None, metavar=metavar)
+        group.add_argument(prefix + doc.name, **kwargs)
         dests.append(dest)
     return dests
 

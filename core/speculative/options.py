@@ -9,10 +9,20 @@ from typing import ClassVar, Literal, get_args
 from ..options import changed_fields, check_fields, option
 from ..quant import DEFAULT_GROUP_SIZE, Bits, Int4GroupSize
 
-__all__ = ["SPECULATIVE_POLICIES", "SpeculativeOptions", "SpeculativePolicyName"]
+__all__ = [
+    "DEFAULT_DRAFT_LEN",
+    "DEFAULT_MARGIN",
+    "SPECULATIVE_POLICIES",
+    "SpeculativeOptions",
+    "SpeculativePolicyName",
+]
 
 SpeculativePolicyName = Literal["auto", "always"]
 SPECULATIVE_POLICIES: tuple[str, ...] = get_args(SpeculativePolicyName)
+#: Draft length of the 'always' policy when ``speculative_draft_len`` is not set.
+DEFAULT_DRAFT_LEN = 4
+#: The 'auto' policy's margin when ``speculative_margin`` is not set.
+DEFAULT_MARGIN = 0.1
 
 
 @dataclass
@@ -44,10 +54,15 @@ class SpeculativeOptions:
         "trainer gets the cost model's draft length per batch size, fixed when it starts). 'always': speculate every "
         "step with speculative_draft_len.",
     )
-    speculative_draft_len: int = option(4, "Draft length for speculative_policy='always'.")
-    speculative_margin: float = option(
-        0.1,
-        "speculative_policy='auto' speculates only when the predicted speedup exceeds 1 + speculative_margin.",
+    speculative_draft_len: int | None = option(
+        None,
+        f"Draft length for speculative_policy='always' (default {DEFAULT_DRAFT_LEN}); an error with 'auto', which "
+        "follows the acceptance rate.",
+    )
+    speculative_margin: float | None = option(
+        None,
+        "speculative_policy='auto' speculates only when the predicted speedup exceeds 1 + speculative_margin "
+        f"(default {DEFAULT_MARGIN}); an error with 'always'.",
     )
 
     _minimums: ClassVar[dict[str, float]] = {"speculative_draft_len": 1, "speculative_margin": 0.0}
@@ -90,6 +105,16 @@ class SpeculativeOptions:
         return SpeculativeOptions(
             **{f.name: getattr(self, f.name) for f in dataclasses.fields(SpeculativeOptions)}
         )
+
+    @property
+    def draft_len(self) -> int:
+        """The 'always' policy's draft length (``speculative_draft_len``, or its default)."""
+        return DEFAULT_DRAFT_LEN if self.speculative_draft_len is None else self.speculative_draft_len
+
+    @property
+    def margin(self) -> float:
+        """The 'auto' policy's margin (``speculative_margin``, or its default)."""
+        return DEFAULT_MARGIN if self.speculative_margin is None else self.speculative_margin
 
     @property
     def drafter_group_size(self) -> int | None:

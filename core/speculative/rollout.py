@@ -73,7 +73,7 @@ class SelfSpeculativeRollout:
             compute_dtype=torch.bfloat16 if dtype == torch.float32 else dtype,
         )
         if opts.speculative_policy == "always":
-            policy = SpeculationPolicy.fixed(opts.speculative_draft_len)
+            policy = SpeculationPolicy.fixed(opts.draft_len)
         else:
             context = int(statistics.median_high(prompt_lengths)) + self.max_new_tokens // 2
             sizes = [b for b in _CALIBRATION_BATCHES if b <= max(1, len(prompt_lengths))]
@@ -85,6 +85,6 @@ class SelfSpeculativeRollout:
                 temperature=self.temperature,
                 top_k=self.top_k,
                 top_p=self.top_p,
-                margin=opts.speculative_margin,
+                margin=opts.margin,
             )
         return SpeculativeSampler(model, drafter, policy)

@@ -82,7 +82,7 @@ def vllm_speculative_config(
     config: dict[str, Any] = {
         "method": "draft_model",
         "model": model,
-        "num_speculative_tokens": opts.speculative_draft_len,
+        "num_speculative_tokens": opts.draft_len,
         "quantization": quantization_name(opts.speculative_bits, opts.drafter_group_size),
     }
     if opts.speculative_policy == "auto":

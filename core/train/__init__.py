@@ -8,12 +8,13 @@
 """
 
 from .distributed import all_ok, all_reduce_gradients, world_size
-from .options import DEFAULT_BLOCK_SIZE, TREE_MODES, TreeMode, TreeOptions
+from .options import DEFAULT_BLOCK_SIZE, DEFAULT_REPLAY_THRESHOLD, TREE_MODES, TreeMode, TreeOptions
 from .sharded import AliasReplica, FSDP2Replica, Gather, is_fsdp2, is_zero3
 from .step import MODE_CODES, StepMetrics, StepResult, TreeStep
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_REPLAY_THRESHOLD",
     "AliasReplica",
     "FSDP2Replica",
     "MODE_CODES",

@@ -14,12 +14,14 @@ from typing import ClassVar, Literal, get_args
 from ..executor import ExecMode, PromptGrad
 from ..options import changed_fields, check_fields, option
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "TREE_MODES", "TreeMode", "TreeOptions"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_REPLAY_THRESHOLD", "TREE_MODES", "TreeMode", "TreeOptions"]
 
 TreeMode = Literal["auto", ExecMode]
 TREE_MODES: tuple[str, ...] = get_args(TreeMode)
 #: Replay block size in tokens when ``tree_block_size`` is not set.
 DEFAULT_BLOCK_SIZE = 2048
+#: ``tree_mode='auto'`` picks replay above this many tokens per path when ``tree_replay_threshold`` is not set.
+DEFAULT_REPLAY_THRESHOLD = 16384
 
 
 @dataclass
@@ -48,10 +50,13 @@ class TreeOptions:
     tree_block_size: int | None = option(
         None,
         f"Block size in tokens for replay mode (default {DEFAULT_BLOCK_SIZE}): activation memory is that of one "
-        "block, whatever the prompt length or group size.",
+        "block, whatever the prompt length or group size. In keep mode it bounds only the no-grad scoring "
+        "forward (old and reference log-probs); an error with tree_mode='packed', which runs whole sequences.",
     )
-    tree_replay_threshold: int = option(
-        16384, "tree_mode='auto' switches to replay when a root-to-leaf path has more tokens than this."
+    tree_replay_threshold: int | None = option(
+        None,
+        "tree_mode='auto' switches to replay when a root-to-leaf path has more tokens than this (default "
+        f"{DEFAULT_REPLAY_THRESHOLD}); an error with any other tree_mode or with long_context_replay.",
     )
     long_context_replay: bool = option(
         False,
@@ -68,9 +73,10 @@ class TreeOptions:
 
     tree_balance: Literal["auto", "on", "off"] = option(
         "auto",
-        "Balance each step's rows over the data-parallel ranks by predicted tree cost (groups kept whole, equal "
-        "rows per rank) before training them: the slowest rank, which every rank waits for, gets cheaper. The "
-        "update is unchanged where the host's loss normalisation does not depend on which rows share a rank. "
+        "Balance each step's rows over the data-parallel ranks by predicted tree cost before training them "
+        "(groups kept whole; TRL keeps equal rows per rank, veRL and OpenRLHF may change a rank's row count but "
+        "not its micro-batch count): the slowest rank, which every rank waits for, gets cheaper. The update is "
+        "unchanged where the host's loss normalisation does not depend on which rows share a rank. "
         "'auto': on with more than one rank where the host's loss allows it; 'on': refuse a loss that does not; "
         "'off': rows stay where the host put them.",
     )
@@ -112,11 +118,31 @@ class TreeOptions:
                 f"long_context_replay=True runs prompts in replay mode, which contradicts tree_mode={self.tree_mode!r}: "
                 "use tree_mode='auto' or 'replay', or set long_context_replay=False"
             )
+        self._check_no_effect()
         if self.long_context_prompt_grad == "none" and not self.long_context_replay:
             raise ValueError(
                 "long_context_prompt_grad='none' only applies with long_context_replay=True: set it, or keep "
                 "long_context_prompt_grad='exact'"
             )
+
+    def _check_no_effect(self) -> None:
+        """Refuse a setting the chosen mode ignores (so a user never tunes a knob that does nothing)."""
+        if self.tree_replay_threshold is not None and (self.tree_mode != "auto" or self.long_context_replay):
+            which = "long_context_replay=True" if self.long_context_replay else f"tree_mode={self.tree_mode!r}"
+            raise ValueError(
+                f"tree_replay_threshold only applies with tree_mode='auto', and {which} fixes the mode: drop "
+                "tree_replay_threshold, or use tree_mode='auto'"
+            )
+        if self.tree_block_size is not None and self.tree_mode == "packed":
+            raise ValueError(
+                "tree_block_size has no effect with tree_mode='packed' (one packed sequence per forest): drop it, or "
+                "use tree_mode='replay' to bound activation memory by blocks"
+            )
+
+    @property
+    def replay_threshold(self) -> int:
+        """Tokens per path above which ``tree_mode='auto'`` picks replay."""
+        return DEFAULT_REPLAY_THRESHOLD if self.tree_replay_threshold is None else self.tree_replay_threshold
 
     def tree_options(self) -> TreeOptions:
         """These options as a plain :class:`TreeOptions` (from a host config that inherits them)."""
@@ -128,7 +154,7 @@ class TreeOptions:
             return "replay"
         if self.tree_mode != "auto":
             return self.tree_mode
-        if gradient_checkpointing or longest_path > self.tree_replay_threshold:
+        if gradient_checkpointing or longest_path > self.replay_threshold:
             return "replay"
         return "keep"
 

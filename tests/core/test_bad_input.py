@@ -180,6 +180,19 @@ def test_sampler_refuses_bad_sampling_settings(kwargs, match):
         (dict(tree_packing=1), "tree_packing must be True or False"),
         (dict(tree_packing=True, tree_mode="fast"), r"tree_mode='fast' is not one of"),
         (dict(long_context_replay=True, tree_mode="packed"), "contradicts tree_mode='packed'"),
+        # a setting the chosen mode ignores is an error, also when it equals the value used when unset
+        (
+            dict(tree_packing=True, tree_mode="keep", tree_replay_threshold=16384),
+            "only applies with tree_mode='auto'",
+        ),
+        (
+            dict(long_context_replay=True, tree_replay_threshold=100),
+            "long_context_replay=True fixes the mode",
+        ),
+        (
+            dict(tree_packing=True, tree_mode="packed", tree_block_size=2048),
+            "no effect with tree_mode='packed'",
+        ),
     ],
 )
 def test_tree_options_are_validated(kwargs, match):
@@ -217,6 +230,15 @@ def test_tree_options_are_validated(kwargs, match):
             dict(speculative_rollout=True, speculative_draft_len=3),
             "only applies with speculative_policy='always'",
         ),
+        # the documented default, set by the user, is still a setting the 'auto' policy ignores
+        (
+            dict(speculative_rollout=True, speculative_draft_len=4),
+            "only applies with speculative_policy='always'",
+        ),
+        (
+            dict(speculative_rollout=True, speculative_policy="always", speculative_margin=0.1),
+            "speculative_margin only applies with speculative_policy='auto'",
+        ),
     ],
 )
 def test_speculative_options_are_validated(kwargs, match):
@@ -230,6 +252,18 @@ def test_valid_options_pass():
     opts = SpeculativeOptions(speculative_rollout=True, speculative_policy="always", speculative_draft_len=3)
     assert opts.drafter_group_size == 128
     assert SpeculativeOptions(speculative_rollout=True, speculative_bits=8).drafter_group_size is None
+    # unset numbers take their documented defaults
+    assert SpeculativeOptions(speculative_rollout=True, speculative_policy="always").draft_len == 4
+    assert SpeculativeOptions(speculative_rollout=True).margin == 0.1
+    assert TreeOptions(tree_packing=True).replay_threshold == 16384
+    assert TreeOptions(tree_packing=True, tree_replay_threshold=10).mode_for(11) == "replay"
+    # tree_block_size with keep bounds the scoring forward: accepted
+    assert (
+        TreeOptions(tree_packing=True, tree_mode="keep", tree_block_size=64).executor_kwargs("keep")[
+            "block_size"
+        ]
+        == 64
+    )
 
 
 def test_unsupported_model_message_names_the_way_out_once():

@@ -354,6 +354,11 @@ def test_config_validation(tmp_path):
         ftrl.GRPOConfig(**common, tree_packing=True, tree_replay_threshold=True)
     with pytest.raises(ValueError, match="speculative_group_size=32.0 is not one of"):
         ftrl.GRPOConfig(**common, speculative_rollout=True, speculative_group_size=32.0)
+    # "was it set", not "does it differ from the default": 4 is the 'always' policy's draft length
+    with pytest.raises(ValueError, match="speculative_draft_len only applies with speculative_policy='always'"):
+        ftrl.GRPOConfig(**common, speculative_rollout=True, speculative_draft_len=4)
+    with pytest.raises(ValueError, match="tree_replay_threshold only applies with tree_mode='auto'"):
+        ftrl.GRPOConfig(**common, tree_packing=True, tree_mode="replay", tree_replay_threshold=16384)
 
 
 def test_trl_parser_reads_forkrl_flags_from_the_command_line(tmp_path):
@@ -368,6 +373,7 @@ def test_trl_parser_reads_forkrl_flags_from_the_command_line(tmp_path):
     )  # fmt: skip
     assert cfg.tree_packing is True and cfg.tree_mode == "replay" and cfg.tree_block_size == 512
     assert cfg.speculative_bits == 8 and cfg.speculative_group_size is None
+    assert cfg.speculative_draft_len is None and cfg.draft_len == 4  # unset: the documented default
     with pytest.raises(SystemExit):
         parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--tree_mode", "fast"])
 
