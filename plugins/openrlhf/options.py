@@ -23,7 +23,10 @@ from forkrl.core.speculative.vllm_engine import check_engine_policy
 from forkrl.core.train import TreeOptions
 
 __all__ = [
+    "FLAGS",
+    "FLAG_OVERRIDES",
     "FLAG_PREFIX",
+    "PROG",
     "ForkrlOptions",
     "balance_setting",
     "check_host_args",
@@ -33,6 +36,24 @@ __all__ = [
 ]
 
 FLAG_PREFIX = "--forkrl."
+#: The launcher's name in its usage and error lines.
+PROG = "python -m forkrl.plugins.openrlhf.train_ppo_ray"
+#: The options OpenRLHF takes: all but ``speculative_margin``, which only the 'auto' policy reads.
+FLAGS: tuple[str, ...] = tuple(
+    f.name
+    for f in dataclasses.fields(TreeOptions) + dataclasses.fields(SpeculativeOptions)
+    if f.name != "speculative_margin"
+)
+#: What OpenRLHF's launcher documents differently from core: one speculation policy.
+FLAG_OVERRIDES: dict[str, dict[str, Any]] = {
+    "speculative_policy": {
+        "default": None,
+        "choices": ("always",),
+        "help": "'always' (the default with --forkrl.speculative_rollout): speculate every step with "
+        "speculative_draft_len. forkrl's 'auto' policy times the policy model before vLLM starts, and OpenRLHF "
+        "starts its engines before any policy model exists, so it cannot run here.",
+    },
+}
 
 
 @dataclass
@@ -47,12 +68,12 @@ class ForkrlOptions(TreeOptions, SpeculativeOptions):
 def flag_parser() -> argparse.ArgumentParser:
     """The parser of forkrl's flags alone (its help is printed beside OpenRLHF's)."""
     parser = argparse.ArgumentParser(
-        prog="python -m forkrl.plugins.openrlhf.train_ppo_ray",
+        prog=PROG,
         description="OpenRLHF's train_ppo_ray with forkrl: every OpenRLHF flag, plus these.",
         add_help=False,
         allow_abbrev=False,
     )
-    add_arguments(parser, ForkrlOptions, prefix=FLAG_PREFIX)
+    add_arguments(parser, ForkrlOptions, prefix=FLAG_PREFIX, only=FLAGS, overrides=FLAG_OVERRIDES)
     return parser
 
 
@@ -67,9 +88,13 @@ def parse_flags(argv: Sequence[str]) -> tuple[ForkrlOptions, list[str]]:
     namespace, rest = parser.parse_known_args(list(argv))
     unknown = [arg.split("=", 1)[0] for arg in rest if arg.startswith(FLAG_PREFIX)]
     if unknown:
-        names = ", ".join(FLAG_PREFIX + f.name for f in dataclasses.fields(ForkrlOptions))
+        names = ", ".join(FLAG_PREFIX + name for name in FLAGS)
         parser.error(f"unknown forkrl flag {unknown[0]}: forkrl's flags are {names}")
-    values = {f.name: getattr(namespace, FLAG_PREFIX[2:] + f.name) for f in dataclasses.fields(ForkrlOptions)}
+    values = {name: getattr(namespace, FLAG_PREFIX[2:] + name) for name in FLAGS}
+    if values["speculative_policy"] is None:  # not given: 'always' where it applies, core's default elsewhere
+        values.pop("speculative_policy")
+        if values["speculative_rollout"]:
+            values["speculative_policy"] = "always"
     try:
         options = ForkrlOptions(**values)
     except ValueError as err:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import compat
-from .options import ForkrlOptions, attach, check_host_args, flag_parser, parse_flags
+from .options import PROG, ForkrlOptions, attach, check_host_args, flag_parser, parse_flags
 
 __all__ = ["HOST_MODULE", "main", "parse_args"]
 
@@ -46,7 +46,7 @@ def _hierarchize_with(options: ForkrlOptions):
         try:
             check_host_args(args, options)
         except ValueError as err:
-            raise SystemExit(f"train_ppo_ray: error: {err}") from None
+            raise SystemExit(f"{PROG}: error: {err}") from None
         return args
 
     return hierarchize

@@ -12,14 +12,14 @@
 - :mod:`.vllm_serve`: ``trl vllm-serve`` with forkrl's drafter (server mode; needs vLLM).
 - :mod:`.compat`: every TRL/accelerate private the plugin relies on, checked by the contract tests.
 
-Needs TRL (``pip install 'forkrl[trl]'``).
+Needs TRL in the same environment (from a clone: ``pip install -e '.[trl]'``).
 """
 
 try:
     import trl  # noqa: F401
 except ImportError as err:  # pragma: no cover - exercised only without TRL
     raise ImportError(
-        "forkrl.plugins.trl needs TRL: pip install 'forkrl[trl]' (trl>=1.16,<1.17 and peft)"
+        "forkrl.plugins.trl needs TRL: pip install -e '.[trl]' in a forkrl clone (trl>=1.16,<1.17 and peft)"
     ) from err
 
 from .config import GRPOConfig, RLOOConfig

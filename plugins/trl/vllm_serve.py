@@ -16,6 +16,7 @@ speculative_policy="always", ...)``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from collections.abc import Sequence
@@ -24,17 +25,30 @@ from forkrl.core.options import add_arguments
 from forkrl.core.speculative import SpeculativeOptions
 from forkrl.core.speculative.vllm_engine import vllm_speculative_config
 
-__all__ = ["main", "server_command"]
+__all__ = ["PROG", "flag_parser", "main", "server_command"]
 
 PREFIX = "--forkrl."
 _SERVER_FIELDS = ("speculative_bits", "speculative_group_size", "speculative_draft_len")
 
 
-def _parse(argv: Sequence[str]) -> tuple[SpeculativeOptions, list[str]]:
+PROG = "python -m forkrl.plugins.trl.vllm_serve"
+
+
+def flag_parser() -> argparse.ArgumentParser:
+    """The parser of forkrl's server flags alone (its help is printed before TRL's)."""
     parser = argparse.ArgumentParser(
-        prog="python -m forkrl.plugins.trl.vllm_serve", add_help=False, allow_abbrev=False
+        prog=PROG,
+        description="TRL's vllm-serve with forkrl's quantized self-drafter: every trl vllm-serve flag, plus these "
+        "(the server speculates with speculative_policy='always').",
+        add_help=False,
+        allow_abbrev=False,
     )
-    add_arguments(parser, SpeculativeOptions, prefix=PREFIX)
+    add_arguments(parser, SpeculativeOptions, prefix=PREFIX, only=_SERVER_FIELDS)
+    return parser
+
+
+def _parse(argv: Sequence[str]) -> tuple[SpeculativeOptions, list[str]]:
+    parser = flag_parser()
     namespace, rest = parser.parse_known_args(list(argv))
     values = {f: getattr(namespace, PREFIX[2:] + f) for f in _SERVER_FIELDS}
     bad = [a.split("=", 1)[0] for a in rest if a.startswith(PREFIX)]
@@ -58,7 +72,7 @@ def server_command(argv: Sequence[str]) -> tuple[object, list[str]]:
     from trl.scripts.vllm_serve import make_parser
 
     options, rest = _parse(argv)
-    script_args, extra = make_parser(prog="python -m forkrl.plugins.trl.vllm_serve").parse_args_and_config(
+    script_args, extra = make_parser(prog=PROG).parse_args_and_config(
         args=rest, return_remaining_strings=True
     )
     spec = vllm_speculative_config(options, script_args.model, script_args.tensor_parallel_size)
@@ -68,9 +82,22 @@ def server_command(argv: Sequence[str]) -> tuple[object, list[str]]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Start TRL's vLLM server with forkrl's drafter (this process becomes the server)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        from trl.scripts.vllm_serve import make_parser
+
+        print(flag_parser().format_help())
+        print("TRL's vllm-serve flags (trl vllm-serve --help):\n")
+        make_parser(prog=PROG).print_help()
+        return
+    script_args, extra = server_command(argv)
+    if importlib.util.find_spec("vllm") is None:
+        raise SystemExit(
+            f"{PROG}: error: vLLM is not installed in this environment ({sys.executable}): the server runs vLLM. "
+            "Install it beside forkrl on the GPU machine that serves (pip install -e '.[vllm]', vllm 0.29.0)"
+        )
     from trl.scripts.vllm_serve import main as trl_main
 
-    script_args, extra = server_command(sys.argv[1:] if argv is None else argv)
     trl_main(script_args, extra)
 
 

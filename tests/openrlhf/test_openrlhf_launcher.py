@@ -11,8 +11,9 @@ import textwrap
 
 import pytest
 
+from forkrl.core.options import option_docs
 from forkrl.plugins.openrlhf import compat
-from forkrl.plugins.openrlhf.options import parse_flags
+from forkrl.plugins.openrlhf.options import FLAG_OVERRIDES, FLAGS, ForkrlOptions, parse_flags
 
 from . import harness as h
 
@@ -76,6 +77,8 @@ def test_refused_openrlhf_settings_fail_before_ray(extra, needle):
     with pytest.raises(SystemExit) as info:
         h.parse_args([*argv, *extra])
     assert needle in str(info.value.code) and "or train without --forkrl.tree_packing" in str(info.value.code)
+    # one prefix for every error the launcher gives, as argparse's usage errors have
+    assert str(info.value.code).startswith("python -m forkrl.plugins.openrlhf.train_ppo_ray: error: ")
 
 
 def test_zero_stage_3_is_accepted_also_with_dynamic_batches():
@@ -95,10 +98,13 @@ def test_help_lists_forkrl_and_openrlhf_flags():
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert (
-        "--forkrl.tree_packing" in out.stdout and "Train the sequences of each optimizer step" in out.stdout
-    )
     assert "--actor.model_name_or_path" in out.stdout
+    text = " ".join(out.stdout.split())
+    flat = "".join(out.stdout.split())  # argparse wraps lines, also after hyphens
+    for doc in option_docs(ForkrlOptions, only=FLAGS, overrides=FLAG_OVERRIDES):  # help == documented text
+        assert f"--forkrl.{doc.name}" in text and "".join(doc.help.split()) in flat, doc.name
+    assert "equal rows per rank" not in text.replace("TRL keeps equal rows per rank", "")
+    assert "--forkrl.speculative_policy {always}" in text and "--forkrl.speculative_margin" not in text
 
 
 def test_what_reaches_ray_workers_is_forkrl(tmp_path):

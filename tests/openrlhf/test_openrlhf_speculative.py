@@ -29,10 +29,19 @@ def test_flags_reach_openrlhf_args():
     assert args.forkrl.speculative_bits == 8 and args.forkrl.tree_packing is True
 
 
+def test_the_one_policy_openrlhf_runs_is_the_default():
+    """OpenRLHF starts its vLLM engines before any policy exists to time, so 'always' is the only
+    policy; it is the default with --forkrl.speculative_rollout and 'auto' is not offered."""
+    args = h.parse_args(h.command("some/model", "--forkrl.speculative_rollout"))
+    assert args.forkrl.speculative_policy == "always" and args.forkrl.speculative_draft_len is None
+    assert parse_flags(["--x"])[0].speculative_policy == "auto"  # off: core's default, nothing set
+
+
 @pytest.mark.parametrize(
     "extra,message",
     [
-        (("--forkrl.speculative_rollout",), "--forkrl.speculative_policy always"),
+        (("--forkrl.speculative_rollout", "--forkrl.speculative_policy", "auto"), "invalid choice: 'auto'"),
+        (("--forkrl.speculative_rollout", "--forkrl.speculative_margin", "0.2"), "unknown forkrl flag"),
         ((*SPEC, "--vllm.num_engines", "0"), "--vllm.num_engines >= 1"),
     ],
 )

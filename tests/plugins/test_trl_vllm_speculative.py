@@ -15,6 +15,8 @@ import types
 
 import pytest
 
+from forkrl.core.speculative import SpeculativeOptions
+
 pytest.importorskip("trl")
 
 import trl.generation.vllm_generation as vg  # noqa: E402
@@ -160,6 +162,28 @@ def test_server_command_carries_the_drafter(tmp_path):
         vllm_serve.server_command(["--model", "m", "--forkrl.speculative_policy_x", "1"])
     with pytest.raises(SystemExit):
         vllm_serve.server_command(["--model", "m", "--speculative_config", "{}"])
+
+
+def test_server_help_lists_forkrls_flags_then_trls(capsys):
+    vllm_serve.main(["--help"])
+    out = capsys.readouterr().out
+    flat = "".join(out.split())  # argparse wraps lines, also after hyphens
+    for name in ("speculative_bits", "speculative_group_size", "speculative_draft_len"):
+        assert f"--forkrl.{name}" in out
+        assert "".join(SpeculativeOptions.__dataclass_fields__[name].metadata["help"].split()) in flat
+    assert "--forkrl.speculative_policy" not in out  # the server always speculates with a fixed length
+    assert out.index("--forkrl.speculative_bits") < out.index("--tensor_parallel_size")
+
+
+def test_server_without_vllm_says_how_to_install_it(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
+    )
+    with pytest.raises(SystemExit, match=r"vLLM is not installed .*pip install -e '\.\[vllm\]'"):
+        vllm_serve.main(["--model", "org/policy", "--forkrl.speculative_draft_len", "4"])
 
 
 PROMETHEUS = """
