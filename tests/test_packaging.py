@@ -1,4 +1,4 @@
-"""Packaging invariants from DESIGN.md (Layout).
+"""Packaging invariants (docs/design.md, "Layout").
 
 - The repo folders core/ and plugins/ install as forkrl.core and forkrl.plugins; the wheel holds
   nothing outside forkrl/ (no top-level `core` or `plugins` module) and every source file is in it.
@@ -83,7 +83,25 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert proc.returncode == 0, f"wheel build failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     wheels = list(out.glob("*.whl"))
     assert len(wheels) == 1, wheels
+    (out / "build.log").write_text(proc.stdout + proc.stderr)
     return wheels[0]
+
+
+def test_wheel_builds_without_package_data_warnings(wheel: Path) -> None:
+    """A data folder that looks like a Python package (a YAML folder named like a module) makes
+    setuptools warn "Package ... is absent from the packages configuration" on every build."""
+    log = (wheel.parent / "build.log").read_text()
+    assert "absent from the `packages` configuration" not in log and "absent from the packages" not in log, (
+        log[-3000:]
+    )
+
+
+def test_wheel_ships_every_verl_yaml(wheel: Path) -> None:
+    names = set(zipfile.ZipFile(wheel).namelist())
+    yamls = sorted((ROOT / "plugins/verl").rglob("*.yaml"))
+    assert yamls
+    for path in yamls:
+        assert "forkrl/" + path.relative_to(ROOT).as_posix() in names, path
 
 
 def test_wheel_contents(wheel: Path) -> None:

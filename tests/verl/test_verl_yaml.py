@@ -3,6 +3,8 @@ forkrl's actor and reference configs (so a wrong key fails here, not in a user's
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import subprocess
 import sys
 
@@ -101,6 +103,97 @@ def test_a_wrong_forkrl_key_fails_when_veRL_builds_the_config(model_path):
     cfg = _compose("forkrl_tree", model_path, ["actor_rollout_ref.actor.forkrl.tree_mode=fastest"])
     with pytest.raises(Exception, match="tree_mode='fastest' is not one of"):
         _build(cfg)
+
+
+#: A valid, non-default value for every documented key (each overridden alone, without ``+``).
+SET = {
+    "tree_packing": ("false", False),
+    "tree_mode": ("replay", "replay"),
+    "tree_block_size": ("4096", 4096),
+    "tree_replay_threshold": ("4096", 4096),
+    "long_context_replay": ("true", True),
+    "long_context_prompt_grad": ("none", "none"),
+    "tree_balance": ("off", "off"),
+}
+NEEDS = {"long_context_prompt_grad": ["actor_rollout_ref.actor.forkrl.long_context_replay=true"]}
+
+
+def test_every_documented_key_overrides_without_plus_and_the_reference_follows(model_path):
+    """Every option of the docs' table is in the YAML with its default, so the plain override form
+    works for the actor and the reference; the reference takes the actor's value unless set."""
+    from verl.trainer.main_ppo import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    from forkrl.core.options import option_docs
+
+    assert [d.name for d in option_docs(TreeOptions)] == list(SET)  # a new option needs a case here
+    for key, (text, value) in SET.items():
+        for side in ("actor", "ref"):
+            cfg = _compose(
+                "forkrl_tree",
+                model_path,
+                [f"actor_rollout_ref.{side}.forkrl.{key}={text}", *NEEDS.get(key, [])],
+            )
+            validate_config(
+                config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg)
+            )
+            actor, ref = _build(cfg)
+            assert ref.forkrl[key] == value, (side, key)  # set on the actor: the reference follows
+            want = value if side == "actor" else dataclasses.asdict(TreeOptions(tree_packing=True))[key]
+            assert actor.forkrl[key] == want, (side, key)
+
+
+def test_a_wrong_reference_key_fails_on_the_driver_before_ray(model_path):
+    """veRL's validate_config builds only the actor's config; the actor checks the reference's block."""
+    from verl.trainer.main_ppo import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    for override, match in [
+        (
+            "+actor_rollout_ref.ref.forkrl.tree_mod=keep",
+            r"unknown forkrl option\(s\) \['tree_mod'\] in actor_rollout_ref.ref.forkrl",
+        ),
+        (
+            "actor_rollout_ref.ref.forkrl.tree_mode=fastest",
+            "actor_rollout_ref.ref.forkrl: tree_mode='fastest' is not one of",
+        ),
+    ]:
+        cfg = _compose("forkrl_tree", model_path, [override])
+        with pytest.raises(Exception, match=match):
+            validate_config(
+                config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg)
+            )
+    with pytest.raises(Exception, match="tree_mod"):  # without +: Hydra itself refuses the unknown key
+        _compose("forkrl_tree", model_path, ["actor_rollout_ref.ref.forkrl.tree_mod=keep"])
+
+
+def test_the_included_yamls_are_not_primary_configs(model_path):
+    from hydra.errors import MissingConfigException
+
+    for name in ("forkrl_base", "forkrl_speculative_base"):
+        with pytest.raises(MissingConfigException):
+            _compose(name, model_path)
+
+
+def test_the_plugin_announces_itself_once_per_process_at_verls_log_level():
+    """veRL's logging hides INFO; forkrl's one line reaches stderr anyway, once, and only when a
+    config turns the tree on. No other logger changes level."""
+    code = (
+        "import logging\n"
+        "from tests.verl import harness as h\n"
+        "root, verl_level = logging.getLogger().level, logging.getLogger('verl').level\n"
+        "h.actor_config(None)\n"
+        "print('STOCK-BUILT', flush=True)\n"
+        "h.actor_config({'tree_packing': True}); h.actor_config({'tree_packing': True, 'tree_mode': 'replay'})\n"
+        "assert (logging.getLogger().level, logging.getLogger('verl').level) == (root, verl_level)\n"
+    )
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    }
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr.count("forkrl: veRL plugin active") == 1, out.stderr[-3000:]
+    assert "fsdp2 actor trains and scores on prefix trees (tree_packing=True)" in out.stderr
 
 
 def test_the_module_prints_the_config_dir():
