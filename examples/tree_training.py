@@ -62,16 +62,59 @@ def grpo_loss(advantages: torch.Tensor, old: torch.Tensor, eps: float = 0.2):
     return loss_fn
 
 
-def dense_backward(model, seqs, score_from, loss_fn):
-    """The plain path: each sequence forwarded on its own, log-probs padded, host loss, backward."""
+def dense_backward(model, seqs, score_from, loss_fn) -> torch.Tensor:
+    """The plain path: each sequence forwarded on its own, log-probs padded, host loss, backward.
+
+    Returns:
+        ``[B, T]`` the padded log-probs it trained on (detached).
+    """
     lps = []
     for seq, sf in zip(seqs, score_from, strict=True):
         logits = model(input_ids=seq[None]).logits[0, sf - 1 : -1].float()
         lps.append(torch.log_softmax(logits, -1).gather(-1, seq[sf:, None])[:, 0])
     lp, mask = pad(lps)
-    loss = loss_fn(lp, None, mask)
-    loss.backward()
-    return loss.detach()
+    loss_fn(lp, None, mask).backward()
+    return lp.detach()
+
+
+def compare_with_dense(model, forest, seqs, score_from, loss_fn, tree_logps, tree_s) -> None:
+    """Recompute the step's gradient the plain way and report how it compares with the tree's.
+
+    The on-policy GRPO loss is 0 at ratio 1 (group-normalised advantages sum to zero), so its value
+    says nothing; its gradient, the log-probs and the time do. ``tree_logps`` is ``[B, T]``.
+    """
+    tree_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    dense_logps = dense_backward(model, seqs, score_from, loss_fn)
+    dense_s = time.perf_counter() - t0
+    rel = max(
+        float((a - p.grad).norm() / (p.grad.norm() + 1e-30))
+        for a, p in zip(tree_grads, model.parameters(), strict=True)
+    )
+    norm_tree = float(torch.stack([g.norm() for g in tree_grads]).norm())
+    norm_dense = float(torch.stack([p.grad.norm() for p in model.parameters()]).norm())
+    lp_diff = float((tree_logps.to(dense_logps) - dense_logps).abs().max())
+    log.info("step 0, the tree against plain per-sequence training on the same rollouts and loss:")
+    log.info(
+        "  forest     %d sequences, %d nodes: %d unique tokens of %d (compression %.2fx)",
+        len(seqs),
+        len(forest.nodes),
+        forest.unique_tokens,
+        forest.dense_tokens,
+        forest.compression,
+    )
+    log.info("  log-probs  max abs difference %.1e", lp_diff)
+    log.info(
+        "  gradient   norm %.4e (tree) vs %.4e (plain); max relative gradient difference %.1e per "
+        "parameter (float32)",
+        norm_tree,
+        norm_dense,
+        rel,
+    )
+    log.info("  backward   tree %.3f s vs plain %.3f s (%.2fx)", tree_s, dense_s, dense_s / tree_s)
+    for a, p in zip(tree_grads, model.parameters(), strict=True):
+        p.grad = a
 
 
 def main() -> None:
@@ -133,31 +176,10 @@ def main() -> None:
         loss_fn = grpo_loss(adv, old)
         opt.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        res = backward_loss(executor, forest, loss_fn, token_local=True, fill=old)
+        backward_loss(executor, forest, loss_fn, token_local=True, fill=old)
         tree_s = time.perf_counter() - t0
         if step == 0:
-            tree_grads = [p.grad.clone() for p in model.parameters()]
-            opt.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
-            dense_loss = dense_backward(model, seqs, score_from, loss_fn)
-            dense_s = time.perf_counter() - t0
-            err = max(
-                float((a - p.grad).norm() / (p.grad.norm() + 1e-30))
-                for a, p in zip(tree_grads, model.parameters(), strict=True)
-            )
-            log.info(
-                "step 0: %s; tree step %.2fs vs dense %.2fs (%.2fx); loss %.6f vs %.6f; max relative "
-                "gradient difference %.1e (float32)",
-                forest,
-                tree_s,
-                dense_s,
-                dense_s / tree_s,
-                float(res.loss),
-                float(dense_loss),
-                err,
-            )
-            for a, p in zip(tree_grads, model.parameters(), strict=True):
-                p.grad = a
+            compare_with_dense(model, forest, seqs, score_from, loss_fn, old, tree_s)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
         opt.step()
         mean_reward = float(rewards_t.mean())
