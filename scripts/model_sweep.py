@@ -13,7 +13,7 @@ parameter gradient. Each (architecture, mode) is one of
     timeout     past --seconds per architecture           -- a failure
     unbuildable the config or model does not build at tiny sizes on this machine (not counted)
 
-Prints a table (the README's supported-model table is made from it) and one line of JSON.
+Prints a table and one line of JSON (docs/models.md is rendered from that JSON by scripts/models_page.py).
 
     .venv/bin/python scripts/model_sweep.py                     # every architecture
     .venv/bin/python scripts/model_sweep.py --only llama,qwen3  # some (model_type names)

@@ -6,10 +6,9 @@
 - :mod:`.stats`: :class:`SpeculativeStats` (the ``spec/*`` metrics) and :class:`SpeculativeOutput`.
 - :mod:`.options`: :class:`SpeculativeOptions`, every host's flags, defined once.
 - :mod:`.rollout`: :class:`SelfSpeculativeRollout`, the drafter kept in step with the policy.
-- :mod:`.vllm_engine`: the vLLM engine: ``speculative_config`` for forkrl's drafter, forkrl's vLLM
-  plugin (``vllm.general_plugins``) and :class:`~.vllm_engine.DrafterMirror`, which re-quantizes the
-  drafter from the target's weights after every weight sync, inside vLLM's worker.
-- :mod:`.vllm_quant`: forkrl's round-to-nearest quantization as vLLM quantization methods (imports vLLM).
+- :mod:`.vllm_engine`: vLLM's ``speculative_config`` for forkrl's drafter (one engine per host) and
+  the ``spec/*`` figures from vLLM's counters. forkrl's vLLM plugin itself (the quantization as vLLM
+  methods, the drafter re-synced after each weight load) is :mod:`forkrl.plugins.vllm`.
 """
 
 from ..quant import Drafter
