@@ -28,6 +28,7 @@ __all__ = [
     "changed_fields",
     "check_fields",
     "field_defaults",
+    "format_value",
     "from_namespace",
     "markdown_table",
     "option",
@@ -153,13 +154,10 @@ def option_docs(
     """
     hints = get_type_hints(cls)
     overrides = overrides or {}
-    unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
-    if unknown:
-        raise ValueError(f"overrides for unknown fields {sorted(unknown)} of {cls.__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    missing = set(only or ()) - set(fields)
-    if missing:
-        raise ValueError(f"{cls.__name__} has no fields {sorted(missing)}")
+    unknown = (set(overrides) | set(only or ())) - set(fields)
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no fields {sorted(unknown)} (named in only= or overrides=)")
     docs = []
     for f in fields.values() if only is None else (fields[name] for name in only):
         _, choices = _parser_type(hints[f.name])
@@ -173,10 +171,11 @@ def option_docs(
     return docs
 
 
-def _show(value: Any, style: str) -> str:
-    """``value`` as a host's users write it (``style`` as in :func:`markdown_table`)."""
-    if style == "python" or isinstance(value, str) and style == "flag":
-        return repr(value) if style == "python" else value
+def format_value(value: Any, style: str) -> str:
+    """``value`` as a host's users write it: ``python`` (``None``, ``'auto'``), ``yaml`` (``null``,
+    ``auto``) or ``flag`` (``(unset)``, ``auto``)."""
+    if style == "python":
+        return repr(value)
     words = {
         "yaml": {True: "true", False: "false", None: "null"},
         "flag": {True: "on", False: "off", None: "(unset)"},
@@ -189,16 +188,15 @@ def _show(value: Any, style: str) -> str:
 def markdown_table(docs: Sequence[OptionDoc], key: str = "{name}", style: str = "python") -> str:
     """A Markdown table of ``docs``: key (``key`` formatted with the name), default, meaning.
 
-    ``style`` writes values as the host's users write them: ``python`` (``None``, ``'auto'``),
-    ``yaml`` (``null``, ``auto``) or ``flag`` (``(unset)``, ``auto``).
+    ``style`` writes values as the host's users write them (:func:`format_value`).
     """
     lines = ["| Option | Default | Meaning |", "|---|---|---|"]
     for doc in docs:
         allowed = ""
         if doc.choices is not None:
-            allowed = " Allowed: " + ", ".join(f"`{_show(c, style)}`" for c in doc.choices) + "."
+            allowed = " Allowed: " + ", ".join(f"`{format_value(c, style)}`" for c in doc.choices) + "."
         meaning = (doc.help + allowed).replace("|", "\\|")
-        lines.append(f"| `{key.format(name=doc.name)}` | `{_show(doc.default, style)}` | {meaning} |")
+        lines.append(f"| `{key.format(name=doc.name)}` | `{format_value(doc.default, style)}` | {meaning} |")
     return "\n".join(lines)
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from forkrl.core import TreeOptions
-from forkrl.core.options import OptionDoc, markdown_table, option_docs
+from forkrl.core.options import OptionDoc, format_value, markdown_table, option_docs
 from forkrl.core.speculative import SpeculativeOptions
 from forkrl.plugins.openrlhf.options import FLAG_OVERRIDES, FLAG_PREFIX, FLAGS, ForkrlOptions
 
@@ -52,8 +52,7 @@ def _openrlhf() -> str:
 
 def _yaml(doc: OptionDoc) -> str:
     """``name: default`` with a comment of the allowed values (the help is in docs/verl.md)."""
-    show = {True: "true", False: "false", None: "null"}
-    value = show.get(doc.default, doc.default) if not isinstance(doc.default, str) else doc.default
+    value = format_value(doc.default, "yaml")
     if doc.choices is not None:
         note = " | ".join(map(str, doc.choices))
     elif isinstance(doc.default, bool):
