@@ -67,19 +67,24 @@ with Float64Mode():
     for w in want:
         dist.all_reduce(w)
     step = TreeStep(TreeOptions(tree_packing=True, tree_mode="replay" if case == "replay" else "auto", tree_block_size=5 if case == "replay" else None))
+    raised = None
     try:
         scored, _ = step.score(model, layout)
         res = step.train(model, [layout], loss_fn, loss_gradient="general")
-    except (ValueError, RuntimeError) as err:
+    except (ValueError, RuntimeError) as error:
+        # Only the message is kept: the traceback's frames (autograd graphs over the gathered
+        # replica) are freed here, while the process group is alive, not at interpreter exit.
+        raised = f"{type(error).__name__}: {error}"
+    if raised is not None:
         untouched = all(p.grad is None for p in model.parameters())
-        report(f"RANK {rank} RAISED {type(err).__name__}: {err}", f"RANK {rank} UNTOUCHED {untouched}")
-        finish()
-        sys.exit(0)
-    got = [p.grad.full_tensor() for p in model.parameters()]
-    err = max_rel_err(got, want)
-    dense_scored = layout.to_host(torch.cat([t.detach() for t in lps]))
-    score_err = (scored - dense_scored).abs().max().item()
-report(f"RANK {rank} GRAD_ERR {err:.3e} SCORE_ERR {score_err:.3e} UNITS {res.forest.num_sequences}")
+        lines = [f"RANK {rank} RAISED {raised}", f"RANK {rank} UNTOUCHED {untouched}"]
+    else:
+        got = [p.grad.full_tensor() for p in model.parameters()]
+        err = max_rel_err(got, want)
+        dense_scored = layout.to_host(torch.cat([t.detach() for t in lps]))
+        score_err = (scored - dense_scored).abs().max().item()
+        lines = [f"RANK {rank} GRAD_ERR {err:.3e} SCORE_ERR {score_err:.3e} UNITS {res.forest.num_sequences}"]
+report(*lines)
 finish()
 """
 
