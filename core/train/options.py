@@ -128,7 +128,9 @@ class TreeOptions:
     def _check_no_effect(self) -> None:
         """Refuse a setting the chosen mode ignores (so a user never tunes a knob that does nothing)."""
         if self.tree_replay_threshold is not None and (self.tree_mode != "auto" or self.long_context_replay):
-            which = "long_context_replay=True" if self.long_context_replay else f"tree_mode={self.tree_mode!r}"
+            which = (
+                "long_context_replay=True" if self.long_context_replay else f"tree_mode={self.tree_mode!r}"
+            )
             raise ValueError(
                 f"tree_replay_threshold only applies with tree_mode='auto', and {which} fixes the mode: drop "
                 "tree_replay_threshold, or use tree_mode='auto'"

@@ -355,7 +355,9 @@ def test_config_validation(tmp_path):
     with pytest.raises(ValueError, match="speculative_group_size=32.0 is not one of"):
         ftrl.GRPOConfig(**common, speculative_rollout=True, speculative_group_size=32.0)
     # "was it set", not "does it differ from the default": 4 is the 'always' policy's draft length
-    with pytest.raises(ValueError, match="speculative_draft_len only applies with speculative_policy='always'"):
+    with pytest.raises(
+        ValueError, match="speculative_draft_len only applies with speculative_policy='always'"
+    ):
         ftrl.GRPOConfig(**common, speculative_rollout=True, speculative_draft_len=4)
     with pytest.raises(ValueError, match="tree_replay_threshold only applies with tree_mode='auto'"):
         ftrl.GRPOConfig(**common, tree_packing=True, tree_mode="replay", tree_replay_threshold=16384)
