@@ -36,18 +36,11 @@ import torch
 
 from benchmarks.common import machine, print_table, timed
 from forkrl.core import PrefixForest, TreeExecutor
+from forkrl.core.estimate.pricing import dense_step, grpo_batch  # noqa: F401 - re-exported for the other benchmarks
 from forkrl.core.testing import SavedBytes, peak_rss_bytes
 from forkrl.core.testing.models import flops_per_token, llama
 
 REPO = Path(__file__).resolve().parents[1]  # the child process imports benchmarks from here
-
-
-def grpo_batch(P: int, G: int, R: int, vocab: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, vocab, (P,), generator=g)
-    seqs = [torch.cat([prompt, torch.randint(0, vocab, (R,), generator=g)]) for _ in range(G)]
-    coefs = [torch.randn(R, generator=g) / (G * R) for _ in range(G)]
-    return seqs, [P] * G, coefs
 
 
 def ideal_flops(forest: PrefixForest, name: str, vocab: int | None = None) -> tuple[float, float]:
@@ -60,23 +53,6 @@ def ideal_flops(forest: PrefixForest, name: str, vocab: int | None = None) -> tu
         tree += lin * n + att * (n * s + n * (n + 1) / 2)
     tree += head * forest.num_entries
     return dense, tree
-
-
-def dense_step(model, seqs, score_from, coefs, max_tokens: int, grad: bool):
-    """The plain path: equal-length sequences in micro-batches, logits only for the completions."""
-    length = len(seqs[0])
-    mb = max(1, max_tokens // length)
-    out = []
-    for i in range(0, len(seqs), mb):
-        ids = torch.stack(seqs[i : i + mb]).to(model.device)
-        sf = score_from[i]
-        with torch.set_grad_enabled(grad):
-            logits = model(input_ids=ids, logits_to_keep=length - sf + 1).logits[:, :-1]
-            lp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, sf:, None])[..., 0]
-            if grad:
-                (lp * torch.stack(coefs[i : i + mb]).to(lp.device)).sum().backward()
-        out.append(lp.detach())
-    return out
 
 
 def _model(name: str, args):
