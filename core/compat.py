@@ -84,6 +84,8 @@ __all__ = [
     "store_conv_state",
     "store_recurrent_state",
     "engine_hooks_of",
+    "expand_kv_replaced",
+    "mla_modules",
     "is_zero3_param",
     "whole_shape",
 ]
@@ -469,6 +471,59 @@ def restarts_state(model: nn.Module) -> str | None:
 def next_recurrent_state(state: torch.Tensor | None) -> torch.Tensor | None:
     """The state :func:`_ssm_step` computed from ``state`` (None if it did not run on it)."""
     return getattr(state, "forkrl_next", None) if state is not None else None
+
+
+# ---------------------------------------------------------------------------- multi-head latent attention
+
+# What an MLA attention module (DeepSeek-V2/V3, MiniCPM3, GLM-4-MoE-Lite, Mistral 4, ...) must have
+# for forkrl's latent split attention: its sizes, the up-projection and the expansion method.
+_MLA_FIELDS = ("kv_b_proj", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_heads")
+
+
+@_private(
+    "<MLA attention>.expand_kv(kv_nope, k_rot) and kv_b_proj/kv_lora_rank/qk_nope_head_dim/qk_rope_head_dim/"
+    "v_head_dim/num_heads",
+    "MLA models cache the latent ([B, 1, n, kv_lora_rank] and the shared roped key [B, 1, n, rope]) and expand "
+    "it into per-head keys/values after the cache returns it, so the ancestors' pieces attached to the cache's "
+    "tensor never reach the attention function; for the duration of a split-attention pass each module's "
+    "expand_kv is replaced (on the instance) by one that hands the latent itself to forkrl's attention",
+)
+def _check_mla() -> None:
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    cfg = DeepseekV2Config(
+        vocab_size=8, hidden_size=16, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, kv_lora_rank=4, q_lora_rank=None, qk_rope_head_dim=2, qk_nope_head_dim=2,
+        v_head_dim=4, first_k_dense_replace=1,
+    )  # fmt: skip
+    (module,) = mla_modules(DeepseekV2ForCausalLM(cfg))
+    assert parameter_names(module.expand_kv) == ["kv_nope", "k_rot"]
+    k, v = module.expand_kv(torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 3, 2))
+    assert k.shape == (1, 2, 3, 4) and v.shape == (1, 2, 3, 4)
+    assert module.kv_b_proj.weight.shape == (2 * (2 + 4), 4)
+
+
+def mla_modules(model: nn.Module) -> list[nn.Module]:
+    """The multi-head latent attention modules of ``model`` (those with an ``expand_kv`` method
+    and the MLA sizes)."""
+    return [
+        m
+        for m in model.modules()
+        if callable(getattr(type(m), "expand_kv", None)) and all(hasattr(m, f) for f in _MLA_FIELDS)
+    ]
+
+
+@contextlib.contextmanager
+def expand_kv_replaced(modules: list[nn.Module], make: Callable[[nn.Module], Callable]) -> Iterator[None]:
+    """For the duration, each module's ``expand_kv`` is ``make(module)`` (an instance attribute;
+    the class's method is untouched and serves again afterwards)."""
+    for m in modules:
+        m.__dict__["expand_kv"] = make(m)
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.__dict__.pop("expand_kv", None)
 
 
 # ---------------------------------------------------------------------------- torch ops

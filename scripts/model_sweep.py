@@ -1,7 +1,8 @@
 """Every causal LM architecture the installed transformers ships, through the tree executor.
 
 For each ``*ForCausalLM`` in transformers' causal-LM mapping: build it from its config class with
-tiny sizes (hidden 32, 2 layers, 4 heads, 2 kv heads, vocab 61, whatever of these the config has),
+tiny sizes (hidden 32, 2 layers, 4 heads, 2 kv heads, vocab 61, whatever of these the config has;
+multi-head latent attention configs keep a key/value head per query head, see ``_mla_fields``),
 then run keep, replay (block 3) and packed mode on a GRPO-shaped forest against plain
 per-sequence autograd (float64 where the model builds in it, else float32): log-probs and every
 parameter gradient. Each (architecture, mode) is one of
@@ -61,7 +62,7 @@ TINY = dict(
     q_lora_rank=8,
     qk_rope_head_dim=4,
     qk_nope_head_dim=4,
-    v_head_dim=8,
+    v_head_dim=6,  # MLA: value heads narrower than query-key heads (nope + rope = 8), as in DeepSeek
 )
 # Hybrids whose layer pattern or mixer sizes the generic fields above do not reach (with two
 # layers of the default pattern they would hold no attention layer, or fail a size check).
@@ -93,6 +94,19 @@ def _alarm(signum, frame):
     raise Timeout()
 
 
+def _mla_fields(probe) -> dict:
+    """An MLA config's tiny head sizes: every query head has its own key/value head (the latent is
+    expanded per head: a smaller ``num_key_value_heads`` makes transformers repeat the expanded heads
+    again under a mask), and the rotary embedding spans the rope part of the head (``head_dim``,
+    which DeepSeek-V3-style configs set to ``qk_rope_head_dim``)."""
+    fields = {"num_key_value_heads": TINY["num_attention_heads"]}
+    if hasattr(probe, "head_dim"):
+        fields["head_dim"] = TINY["qk_rope_head_dim"]
+    if hasattr(probe, "n_group"):  # DeepSeek-V3 group-limited routing over the 4 tiny experts
+        fields.update(n_group=2, topk_group=1)
+    return fields
+
+
 def build(model_type: str, class_name: str, dtype):
     """The tiny model, or raises (unbuildable)."""
     import transformers
@@ -101,6 +115,8 @@ def build(model_type: str, class_name: str, dtype):
     config_cls = CONFIG_MAPPING[model_type]
     probe = config_cls()
     fields = {k: v for k, v in TINY.items() if hasattr(probe, k)}
+    if hasattr(probe, "kv_lora_rank"):  # MLA (DeepSeek-V2/V3, Kimi K2, MiniCPM3, ...): its own head sizes
+        fields.update(_mla_fields(probe))
     fields.update(OVERRIDES.get(model_type, {}))
     layers = fields.get("num_hidden_layers", 2)
     pattern = "layer_types" in OVERRIDES.get(model_type, {}) or "hybrid_override_pattern" in fields

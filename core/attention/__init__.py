@@ -3,6 +3,8 @@
 - :mod:`.split`: the split attention (a node over its ancestors' cache pieces, no mask), flash
   kernels merged by log-sum-exp: torch's CPU flash kernels; on CUDA the flash kernels for bf16/fp16
   (:func:`kernels_for`, self-checked on the device at first use).
+- :mod:`.latent`: multi-head latent attention (DeepSeek-V2/V3's MLA) split over the latent cache,
+  the up-projection absorbed into the queries (:func:`deferred_expand` defers the model's expansion).
 - :mod:`.mask`: the packed tree mask, from one ``subtree_end`` per token.
 - The model's own attention (sdpa/eager with an explicit mask) everywhere else, and where a kernel
   is missing or its self-check fails (float32 on CUDA, head dim > 256).
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .. import compat
+from .latent import deferred_expand
 from .mask import subtree_ends, tree_mask
 from .split import (
     MIN_PIECE,
@@ -30,6 +33,7 @@ __all__ = [
     "NAME",
     "PastPieces",
     "compute_dtype",
+    "deferred_expand",
     "kernels_for",
     "select",
     "split_attention",

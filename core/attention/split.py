@@ -34,7 +34,15 @@ from torch.nn import functional as F
 
 from .. import compat
 
-__all__ = ["NAME", "PastPieces", "compute_dtype", "kernels_for", "reference_attention", "split_attention"]
+__all__ = [
+    "NAME",
+    "PastPieces",
+    "compute_dtype",
+    "kernels_for",
+    "masked_attention",
+    "reference_attention",
+    "split_attention",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +134,7 @@ def _self_check(device: torch.device, dtype: torch.dtype, kernels: tuple) -> str
         keys, values = [rand(1, kv, n, d) for n in past], [rand(1, kv, n, d) for n in past]
         leaves = [t.requires_grad_(True) for t in (q, k_self, v_self, *keys, *values)]
         out = _SplitAttention.apply(
-            q, k_self, v_self, d**-0.5, h // kv, len(keys), kernels, dtype, *keys, *values
+            q, k_self, v_self, d**-0.5, h // kv, len(keys), kernels, dtype, False, *keys, *values
         )
         dout = rand(*out.shape)
         got = torch.autograd.grad(out, leaves, dout)
@@ -184,11 +192,16 @@ class _SplitAttention(torch.autograd.Function):
     a kv-head group (query heads sharing the kv head, and every sequence of a batch of siblings) are
     folded into one query run for the unmasked parts, so the pieces are never expanded, and their
     gradient is one call's, summed over the batch by the kernel itself.
+
+    ``latent=True`` (multi-head latent attention, :mod:`.latent`): the pieces are an MLA cache's
+    latents ``[1, 1, n, rank]`` then its roped keys ``[1, 1, n, rope]``; each piece's key and value
+    is their concatenation, formed per kernel call (one piece at a time, never saved), and its
+    gradient is split back into the two.
     """
 
     @staticmethod
     def forward(  # noqa: D102
-        ctx, q, k_self, v_self, scale: float, n_rep: int, n_pieces: int, kernels, dtype, *pieces
+        ctx, q, k_self, v_self, scale: float, n_rep: int, n_pieces: int, kernels, dtype, latent: bool, *pieces
     ):
         b, h, q_len, d = q.shape
         kv = h // n_rep
@@ -202,8 +215,9 @@ class _SplitAttention(torch.autograd.Function):
         # Merged in the log-sum-exp's float32 where the kernel runs in half precision.
         out, lse = out.contiguous().to(torch.promote_types(q.dtype, lse.dtype)), lse.contiguous()
         q_fold = _fold(q, kv)
-        for k, v in zip(pieces[:n_pieces], pieces[n_pieces:], strict=True):
-            o_i, l_i = flash(q_fold, k.to(dtype), v.to(dtype), 0.0, False, scale=scale)
+        for a, c in zip(pieces[:n_pieces], pieces[n_pieces:], strict=True):
+            k, v = _piece_kv(a, c, latent, dtype)
+            o_i, l_i = flash(q_fold, k, v, 0.0, False, scale=scale)
             o_i, l_i = _unfold(o_i, b, h, q_len), _unfold(l_i, b, h, q_len)
             merged = torch.logaddexp(lse, l_i)
             out = out * torch.exp(lse - merged)[..., None] + o_i * torch.exp(l_i - merged)[..., None]
@@ -211,6 +225,7 @@ class _SplitAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k_self, v_self, out, lse, *pieces)
         ctx.scale, ctx.n_rep, ctx.n_pieces, ctx.kernels, ctx.dtype = scale, n_rep, n_pieces, kernels, dtype
+        ctx.latent = latent
         return out
 
     @staticmethod
@@ -224,18 +239,28 @@ class _SplitAttention(torch.autograd.Function):
         dq, dk_self, dv_self = flash_bwd(dout, q, k_e, v_e, out, lse, 0.0, True, scale=scale)
         kv = h // n_rep
         dout_f, q_f, out_f, lse_f = (_fold(t, kv).contiguous() for t in (dout, q, out, lse))
-        dks, dvs = [], []
+        grads_a, grads_c = [], []
         dtype = ctx.dtype
-        for k, v in zip(pieces[:n], pieces[n:], strict=True):
-            dq_i, dk, dv = flash_bwd(
-                dout_f, q_f, k.to(dtype), v.to(dtype), out_f, lse_f, 0.0, False, scale=scale
-            )
+        for a, c in zip(pieces[:n], pieces[n:], strict=True):
+            k, v = _piece_kv(a, c, ctx.latent, dtype)
+            dq_i, dk, dv = flash_bwd(dout_f, q_f, k, v, out_f, lse_f, 0.0, False, scale=scale)
             dq = dq + _unfold(dq_i, b, h, q_len)
-            dks.append(dk.to(k.dtype))
-            dvs.append(dv.to(v.dtype))
+            if ctx.latent:  # key and value were both [latent ; rope]
+                dk = dk + dv
+                dk, dv = dk[..., : a.shape[-1]], dk[..., a.shape[-1] :]
+            grads_a.append(dk.to(a.dtype))
+            grads_c.append(dv.to(c.dtype))
         q_dt, k_dt, v_dt = ctx.dtypes
         dk_self, dv_self = _reduce(dk_self, n_rep).to(k_dt), _reduce(dv_self, n_rep).to(v_dt)
-        return (dq.to(q_dt), dk_self, dv_self, None, None, None, None, None, *dks, *dvs)
+        return (dq.to(q_dt), dk_self, dv_self, None, None, None, None, None, None, *grads_a, *grads_c)
+
+
+def _piece_kv(a: torch.Tensor, c: torch.Tensor, latent: bool, dtype: torch.dtype):
+    """One piece's ``(key, value)`` in ``dtype``: ``(a, c)``; latent: ``[a ; c]`` as both."""
+    if not latent:
+        return a.to(dtype), c.to(dtype)
+    kv = torch.cat([a.to(dtype), c.to(dtype)], dim=-1)
+    return kv, kv
 
 
 def _coalesce(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -287,6 +312,40 @@ class PastPieces:
         return keys.expand(batch, *keys.shape[1:]), values.expand(batch, *values.shape[1:])
 
 
+def masked_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    past: int,
+    dropout: float,
+    scale: float,
+) -> torch.Tensor:
+    """Plain sdpa of ``q`` queries over ``past`` cached positions and causally over themselves,
+    with an explicit bottom-right causal mask (dropout must use one kernel call).
+
+    Args:
+        query: ``[B, H, q, d]``; key: ``[B, kv, past + q, d]``; value: ``[B, kv, past + q, dv]``.
+
+    Returns:
+        ``[B, H, q, dv]``.
+    """
+    q_len, kv_len = query.shape[2], key.shape[2]
+    n_rep = query.shape[1] // key.shape[1]
+    mask = None
+    if past > 0 and q_len > 1:
+        rows = torch.arange(q_len, device=query.device)[:, None] + past
+        mask = rows >= torch.arange(kv_len, device=query.device)[None, :]
+    return F.scaled_dot_product_attention(
+        query,
+        _expand(key, n_rep),
+        _expand(value, n_rep),
+        attn_mask=mask,
+        dropout_p=dropout,
+        is_causal=past == 0 and q_len > 1,
+        scale=scale,
+    )
+
+
 def split_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -311,10 +370,15 @@ def split_attention(
     """
     if attention_mask is not None or kwargs.get("sliding_window") or kwargs.get("softcap"):
         raise RuntimeError(f"{NAME} was selected for a layer that needs a mask; this is a forkrl bug")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    latent = getattr(key, "forkrl_latent", None)
+    if latent is not None:  # an MLA layer: the latent cache, not per-head keys (see .latent)
+        from .latent import latent_attention
+
+        return latent_attention(query, latent, dropout, scale).transpose(1, 2).contiguous(), None
     pieces: PastPieces | None = getattr(key, "forkrl_past", None)
     q_len = query.shape[2]
     n_rep = query.shape[1] // key.shape[1]
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if pieces is not None:
         pieces.used += 1
         past = pieces.length
@@ -332,30 +396,16 @@ def split_attention(
     dtype = compute_dtype(query.device, query.dtype)
     kernels = kernels_for(query.device, dtype, query.shape[-1])
     if dropout > 0.0 or kernels is None or q_len == 1 or past == 0 or small or per_sequence:
-        # Plain sdpa with an explicit bottom-right causal mask (dropout must use one kernel call).
         if pieces is not None and past > 0:
             k_past, v_past = pieces.full(query.shape[0])
             key, value = torch.cat([k_past, key], dim=-2), torch.cat([v_past, value], dim=-2)
-        kv_len = key.shape[2]
-        mask = None
-        if past > 0 and q_len > 1:
-            rows = torch.arange(q_len, device=query.device)[:, None] + past
-            mask = rows >= torch.arange(kv_len, device=query.device)[None, :]
-        out = F.scaled_dot_product_attention(
-            query,
-            _expand(key, n_rep),
-            _expand(value, n_rep),
-            attn_mask=mask,
-            dropout_p=dropout,
-            is_causal=past == 0 and q_len > 1,
-            scale=scale,
-        )
+        out = masked_attention(query, key, value, past, dropout, scale)
     else:
         if pieces is not None:
             keys, values = _coalesce(pieces.keys), _coalesce(pieces.values)
         else:
             keys, values = [key[:, :, :past]], [value[:, :, :past]]
         out = _SplitAttention.apply(
-            query, k_self, v_self, scale, n_rep, len(keys), kernels, dtype, *keys, *values
+            query, k_self, v_self, scale, n_rep, len(keys), kernels, dtype, False, *keys, *values
         )
     return out.transpose(1, 2).contiguous(), None

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from .. import compat
-from ..attention import compute_dtype
+from ..attention import NAME as SPLIT_ATTENTION
+from ..attention import compute_dtype, deferred_expand
 from ..errors import UnsupportedModelError
 from .cache import LayerPast, build_cache, check_pieces_used
 
@@ -106,6 +107,8 @@ class ModelAdapter:
         self.has_state = "state" in self.layer_kinds or "mixed" in self.layer_kinds
         self.ssm_modules = compat.ssm_step_modules(self.base)  # whose one-token step a pass swaps
         self.attn_implementation = compat.attention_implementation(self.base.config)
+        # Multi-head latent attention: the split attention runs over its latent cache (attention.latent)
+        self.mla_modules = compat.mla_modules(self.base)
 
     @property
     def num_layers(self) -> int:
@@ -205,7 +208,11 @@ class ModelAdapter:
 
     @contextlib.contextmanager
     def attention_implementation(self, name: str | None) -> Iterator[None]:
-        """Use attention implementation ``name`` for the duration (None: leave the model's)."""
+        """Use attention implementation ``name`` for the duration (None: leave the model's).
+
+        With forkrl's split attention, MLA modules also defer their key/value expansion to it
+        (:func:`forkrl.core.attention.deferred_expand`), so it sees their latent cache pieces.
+        """
         if name is None:
             yield
             return
@@ -213,8 +220,10 @@ class ModelAdapter:
         old = [compat.attention_implementation(c) for c in configs]
         for c in configs:
             compat.set_attention_implementation(c, name)
+        mla = self.mla_modules if name == SPLIT_ATTENTION else []
         try:
-            yield
+            with compat.expand_kv_replaced(mla, deferred_expand):
+                yield
         finally:
             for c, o in zip(configs, old, strict=True):
                 compat.set_attention_implementation(c, o)

@@ -87,7 +87,8 @@ class TreeExecutor:
 
     Args:
         model: a transformers ``*ForCausalLM`` (optionally PEFT-wrapped) whose decoder accepts a
-            cache built from tensors (Llama, Qwen2/3, Mistral, Gemma families; MHA, GQA, MQA).
+            cache built from tensors (Llama, Qwen2/3, Mistral, Gemma families; MHA, GQA, MQA; the
+            multi-head latent attention of DeepSeek-V2/V3 and Kimi K2 over its latent cache).
         mode: ``"keep"``, ``"replay"`` or ``"packed"`` (module docstring).
         block_size: replay mode: the longest span forwarded at once (None: whole nodes). Also
             bounds the no-grad forward of ``score`` in every non-packed mode.

@@ -4,7 +4,8 @@
   (:data:`ZOO`): MHA/GQA/MQA Llama, Qwen2, Qwen3 (q/k norms), Mistral with a sliding window,
   Gemma 2 (logit softcapping, eager), LFM2 (conv + attention), Qwen3-Next (linear attention + MoE),
   Qwen3-MoE, Mixtral, OLMoE, GPT-OSS (MoE with the router load-balancing loss), Bamba and
-  NemotronH (Mamba-2 + attention layers), Falcon-H1 (both in one layer).
+  NemotronH (Mamba-2 + attention layers), Falcon-H1 (both in one layer), DeepSeek-V2, DeepSeek-V3
+  and a Kimi-K2-shaped DeepSeek-V3 (multi-head latent attention + MoE).
 - :func:`llama`: the benchmark sizes (:data:`SIZES`: "tiny", "small", and "micro" for smoke runs).
 - :func:`byte_tokenizer`, :func:`word_tokenizer`, :func:`byte_llama`, :func:`save_pretrained`:
   what a host trainer needs to load a model by path (TRL's ``GRPOTrainer(model=path)``).
@@ -47,6 +48,23 @@ __all__ = [
 
 TEST_VOCAB = 61
 _ATTN = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+# MLA: every query head has its own expanded key/value head; query-key heads nope + rope = 8 wide,
+# value heads 6; layer 0 dense, layer 1 MoE
+_MLA = dict(
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=8,
+    q_lora_rank=8,
+    qk_nope_head_dim=4,
+    qk_rope_head_dim=4,
+    v_head_dim=6,
+    moe_intermediate_size=16,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+)
 
 # name -> (transformers config and model class names, config fields beyond the common tiny ones)
 ZOO: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -160,8 +178,31 @@ ZOO: dict[str, tuple[str, str, dict[str, Any]]] = {
             "mamba_chunk_size": 4,
         },
     ),
+    # Multi-head latent attention (latent cache, value heads narrower than query-key heads) + MoE
+    "deepseekv2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {**_MLA, "q_lora_rank": None}),
+    "deepseekv3": (  # group-limited routing (n_group/topk_group), q LoRA, interleaved rope
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {**_MLA, "head_dim": 4, "n_routed_experts": 8, "n_group": 4, "topk_group": 2},
+    ),
+    "kimik2": (  # Kimi K2 / Moonlight: DeepSeek-V3's architecture, many experts in one group, rope not interleaved
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {
+            **_MLA,
+            "num_hidden_layers": 3,
+            "head_dim": 4,
+            "n_routed_experts": 16,
+            "num_experts_per_tok": 4,
+            "n_group": 1,
+            "topk_group": 1,
+            "kv_lora_rank": 12,
+            "q_lora_rank": 6,
+            "rope_interleave": False,
+        },
+    ),
 }
-_MOE = ("qwen3next", "qwen3moe", "mixtral", "olmoe", "gptoss")
+_MOE = ("qwen3next", "qwen3moe", "mixtral", "olmoe", "gptoss", "deepseekv2", "deepseekv3", "kimik2")
 
 
 def tiny_causal_lm(

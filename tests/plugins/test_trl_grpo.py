@@ -432,3 +432,16 @@ def test_rloo_plugin_equals_stock(cfg, model_path, init, tmp_path):
     assert _logged(tt)[-1]["tree/compression"] > 1.0
     for a, b in zip(_logged(st), _logged(tt), strict=True):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-4, abs_tol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["deepseekv3", "kimik2"])
+def test_multi_head_latent_attention_models_equal_stock(name, tmp_path):
+    """DeepSeek-V3- and Kimi-K2-shaped models (multi-head latent attention over a latent cache,
+    value heads narrower than query-key heads, MoE) train as stock TRL does."""
+    from forkrl.core.testing.models import byte_model, byte_tokenizer, save_pretrained
+
+    path = save_pretrained(byte_model(name), byte_tokenizer(), tmp_path / name)
+    init = initial_params(path)
+    stock, st = train(path, tmp_path / "stock", False)
+    tree, tt = train(path, tmp_path / "tree", True)
+    assert_same_run(stock, tree, init, st, tt)

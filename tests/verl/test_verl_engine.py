@@ -217,3 +217,18 @@ def test_verl_privates_are_where_the_plugin_expects_them():
 
     for private in compat.PRIVATES:
         compat.check(private)
+
+
+@pytest.mark.parametrize("name", ["deepseekv3", "kimik2"])
+def test_multi_head_latent_attention_models_equal_stock(name, tmp_path):
+    """DeepSeek-V3- and Kimi-K2-shaped models (MLA + MoE) through veRL's engine: the update equals
+    stock's (this environment's transformers caches MLA's expanded keys: the tree runs the model's
+    own attention over them)."""
+    from forkrl.core.testing.models import byte_model, byte_tokenizer, save_pretrained
+
+    path = save_pretrained(byte_model(name), byte_tokenizer(), tmp_path / name)
+    stock, tree = _pair(path)
+    init, logs = _train_both(stock, tree)
+    rel = _relative(h.parameters(tree), h.parameters(stock), init)
+    assert rel < TOL, f"forkrl's engine differs from veRL's by {rel:.2e} of the update on {name}"
+    assert all(mt["tree/compression"][0] > 1.0 for _, mt in logs)
