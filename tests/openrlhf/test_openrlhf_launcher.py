@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,8 @@ from forkrl.plugins.openrlhf import compat
 from forkrl.plugins.openrlhf.options import FLAG_OVERRIDES, FLAGS, ForkrlOptions, parse_flags
 
 from . import harness as h
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_contract():
@@ -146,3 +149,17 @@ def test_what_reaches_ray_workers_is_forkrl(tmp_path):
     }
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_the_readme_command_parses_and_passes_openrlhfs_checks(monkeypatch):
+    """The README's complete OpenRLHF command, pasted unchanged (from the repo root, where its
+    reward file lies): OpenRLHF's own __main__ parses and validates it, forkrl's flags arrive."""
+    from ..readme_commands import command
+
+    argv = command("python -m forkrl.plugins.openrlhf.train_ppo_ray")
+    monkeypatch.chdir(ROOT)
+    args = h.parse_args(argv[3:])
+    assert args.forkrl.tree_packing is True
+    assert args.rollout.n_samples_per_prompt == 8 and args.ds.zero_stage == 2
+    assert args.algo.advantage.estimator == "group_norm" and args.algo.kl.use_loss
+    assert [Path(u).is_file() for u in args.reward.remote_url] == [True]  # OpenRLHF takes a list

@@ -239,3 +239,21 @@ def test_speculative_yaml_passes_forkrls_drafter_to_vllm(name, model_path):
     actor, _ = _build(cfg)
     tree = getattr(actor.engine, "forkrl", None)  # veRL's own actor config without forkrl_base
     assert (tree is not None and tree.tree_enabled) == (name == "forkrl_tree_speculative")
+
+
+def test_the_readme_command_composes_and_passes_verl_validation():
+    """The README's complete veRL command, pasted unchanged: Hydra composes it from forkrl's config
+    folder, veRL's validate_config accepts it, and the actor it builds trains on trees."""
+    from verl.trainer.main_ppo import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    from ..readme_commands import command
+
+    argv = command("python -m verl.trainer.main_ppo", {'"$(python -m forkrl.plugins.verl)"': str(CONFIG_DIR)})
+    assert argv[3:7] == ["--config-path", str(CONFIG_DIR), "--config-name", "forkrl_tree"], argv[:7]
+    with initialize_config_dir(config_dir=argv[4], version_base=None):
+        cfg = compose(config_name=argv[6], overrides=argv[7:])
+    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    assert cfg.actor_rollout_ref.rollout.n == 8 and cfg.algorithm.adv_estimator == "grpo"
+    actor, ref = _build(cfg)
+    assert actor.engine.forkrl.tree_enabled and ref.engine.forkrl.tree_enabled
