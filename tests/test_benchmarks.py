@@ -100,3 +100,13 @@ def test_sharded_comm_benchmark():
     assert res["ranks_agree"]
     # One gather and one reduce-scatter of the whole model per step, whatever the micro-batches.
     assert abs(tree["over_model"] - 2.0) < 0.01 and tree["total_mib"] < stock["total_mib"]
+
+
+def test_learning_curve_benchmark():
+    res = _run(
+        "learning_curve", "--steps", "2", "--doc-len", "32", "--group", "4", "--max-new", "4", "--plot", ""
+    )
+    s = res["summary"]
+    assert len(res["rows"]) == 2 and s["greedy_agree"] in (True, False)
+    # Same seed, same weights: the first step's rollouts are TRL's own sampling in both runs.
+    assert res["rows"][0]["same_rollouts"] and s["identical_steps"] >= 1
