@@ -11,6 +11,7 @@ one place with the entry's name and reason.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -71,7 +72,10 @@ __all__ = [
     "out_of_place_ssm_step",
     "ssm_step_modules",
     "record_past",
-    "restarts_state",
+    "scan_mixers",
+    "scan_replaced",
+    "mixer_layer",
+    "take_recurrent_state",
     "reduce_scatter_like",
     "register_attention",
     "replace_layers",
@@ -371,13 +375,13 @@ def record_past(layer: LinearAttentionLayer) -> None:
 
 # Mamba-2 mixers whose one-token step writes the cache's recurrent state in place (record_past
 # covers their conv; the SSM step ignores it).
-_SSM_MODULES = ("bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2")
+_SSM_MODULES = ("bamba", "falcon_h1", "granitemoehybrid", "mamba2", "nemotron_h", "zamba2")
 _SSM_STEP = "mamba2_selective_state_update"
 _SSM_ARGS = ["state", "hidden_states", "dt", "A", "B", "C", "D", "dt_bias", "dt_softplus", "z", "kwargs"]
 
 
 @_private(
-    "transformers.models.{bamba,falcon_h1,granitemoehybrid,nemotron_h,zamba2}.mamba2_selective_state_update",
+    "transformers.models.{bamba,falcon_h1,granitemoehybrid,mamba2,nemotron_h,zamba2}.mamba2_selective_state_update",
     "the Mamba-2 one-token SSM step (a module global the mixers call) writes the recurrent state in place "
     "(state.copy_), which autograd cannot take through a state restored from a tree node: tree passes swap in "
     "an out-of-place step with the same arguments",
@@ -441,31 +445,81 @@ def out_of_place_ssm_step(modules: list) -> Iterator[None]:
             setattr(m, _SSM_STEP, fn)
 
 
-# Mamba-1 mixers whose torch path starts every multi-token input from a zero state: a tree node
-# cannot continue its parent's state there (module -> the scan that ignores it).
-_ZERO_START = {"transformers.models.jamba.modeling_jamba": "mamba_selective_scan"}
+# Mamba-1 mixers (selective scan, one SSM state per channel; Zamba's split into heads). Their torch
+# path starts every multi-token input from a zero state (a module global the mixers call) and steps
+# single tokens in place; a tree pass hides the parent's state from the mixer and hands it to
+# forkrl's scan instead (:mod:`forkrl.core.executor.scan`).
+_SCAN_MODULES = ("mamba", "falcon_mamba", "jamba", "zamba")
+_SCAN = "mamba_selective_scan"
+_SCAN_ARGS = ["hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus", "return_last_state"]  # fmt: skip
+_SCAN_MIXER_ARGS = ["self", "hidden_states", "cache", "attention_mask", "kwargs"]
 
 
 @_private(
-    "transformers.models.jamba.modeling_jamba.mamba_selective_scan",
-    "Jamba's Mamba scan ignores a cached state for multi-token input (zero initial state): refused",
+    "transformers.models.{mamba,falcon_mamba,jamba,zamba}.mamba_selective_scan and *MambaMixer.forward",
+    "Mamba-1 mixers scan multi-token input from a zero state (transformers' torch path takes no initial "
+    "state) and step single tokens in place: tree passes swap the module global for a scan that starts from "
+    "the parent's state (same arguments), and hide that state from the mixer (layer_idx, the cache's "
+    "recurrent state) so it always takes the scan",
 )
-def _check_zero_start() -> None:
+def _check_scan() -> None:
     import importlib
-    import inspect
 
-    for module, name in _ZERO_START.items():
-        fn = getattr(importlib.import_module(module), name)
-        assert "ssm_state = torch.zeros(" in inspect.getsource(fn), module
-        assert not any("initial" in p for p in parameter_names(fn)), module
+    for name in _SCAN_MODULES:
+        module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        assert parameter_names(getattr(module, _SCAN))[: len(_SCAN_ARGS)] == _SCAN_ARGS, name
+        mixers = [v for k, v in vars(module).items() if k.endswith("MambaMixer") and isinstance(v, type)]
+        assert mixers, name
+        for mixer in mixers:
+            assert parameter_names(mixer.forward) == _SCAN_MIXER_ARGS, mixer
+            src = inspect.getsource(mixer.forward)
+            assert "cache.get_recurrent_state(self.layer_idx" in src and f"{_SCAN}(" in src, mixer
 
 
-def restarts_state(model: nn.Module) -> str | None:
-    """The class of a mixer in ``model`` that restarts its recurrent state on multi-token input, or None."""
-    for m in model.modules():
-        if type(m).__module__ in _ZERO_START and "Mamba" in type(m).__name__:
-            return type(m).__name__
-    return None
+def scan_mixers(model: nn.Module) -> list[nn.Module]:
+    """The Mamba-1 mixers of ``model`` (for :func:`scan_replaced`), in layer order."""
+    return [
+        m
+        for m in model.modules()
+        if type(m).__name__.endswith("MambaMixer")
+        and type(m).__module__.rsplit(".", 1)[-1].removeprefix("modeling_") in _SCAN_MODULES
+    ]
+
+
+@contextlib.contextmanager
+def scan_replaced(mixers: list[nn.Module], scan: Callable, before: Callable) -> Iterator[None]:
+    """For the duration, the modules of ``mixers`` (:func:`scan_mixers`) call ``scan`` for
+    :data:`_SCAN`, and ``before(mixer)`` runs before each mixer's forward (a forward pre-hook)."""
+    import sys
+
+    modules = list({id(m): m for m in (sys.modules[type(x).__module__] for x in mixers)}.values())
+    saved = [(m, getattr(m, _SCAN)) for m in modules]
+    handles = [x.register_forward_pre_hook(lambda mixer, args: before(mixer)) for x in mixers]
+    for m, _ in saved:
+        setattr(m, _SCAN, scan)
+    try:
+        yield
+    finally:
+        for m, fn in saved:
+            setattr(m, _SCAN, fn)
+        for h in handles:
+            h.remove()
+
+
+def mixer_layer(mixer: nn.Module) -> int:
+    """The cache layer a Mamba-1 mixer reads (its ``layer_idx``)."""
+    return mixer.layer_idx
+
+
+def take_recurrent_state(cache: Cache, layer_idx: int) -> torch.Tensor | None:
+    """Remove and return a state layer's recurrent state (None at the start of a path): the mixer
+    then sees none, so it scans even a single token (no in-place step), and stores its final state
+    through ``update_recurrent_state``."""
+    layer = cache.layers[layer_idx]
+    state = layer.recurrent_states[0] if layer.is_recurrent_states_initialized[0] else None
+    layer.recurrent_states[0] = None
+    layer.is_recurrent_states_initialized[0] = False
+    return state
 
 
 def next_recurrent_state(state: torch.Tensor | None) -> torch.Tensor | None:

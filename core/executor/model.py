@@ -16,6 +16,7 @@ from ..attention import NAME as SPLIT_ATTENTION
 from ..attention import compute_dtype, deferred_expand
 from ..errors import UnsupportedModelError
 from .cache import LayerPast, build_cache, check_pieces_used
+from .scan import continuing
 
 logger = logging.getLogger(__name__)
 
@@ -49,17 +50,27 @@ def _split(model: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
 
 def _cache_kwarg(decoder: nn.Module) -> str:
     params = inspect.signature(decoder.forward).parameters
-    if "position_ids" not in params:
-        raise UnsupportedModelError(
-            f"{type(decoder).__name__}.forward takes no position_ids; tree nodes need explicit positions: "
-            "train this model without tree_packing"
-        )
     for name in ("cache", "past_key_values"):
         if name in params:
             return name
     raise UnsupportedModelError(
         f"{type(decoder).__name__}.forward takes no cache argument, so ancestors' keys/values cannot be "
         "passed in: use TreeExecutor(mode='packed') if the model is attention-only, or train without tree_packing"
+    )
+
+
+def _takes_positions(decoder: nn.Module, kinds: list[str]) -> bool:
+    """Whether the decoder is given position ids. A decoder that takes none is run without them
+    when it has no positional encoding at all: only conv/recurrent layers (position is the order
+    of the state's updates, which the cache carries) and no embedding beside the tokens'."""
+    if "position_ids" in inspect.signature(decoder.forward).parameters:
+        return True
+    embeddings = [m for m in decoder.modules() if isinstance(m, nn.Embedding)]
+    if set(kinds) <= {"state", "none"} and "state" in kinds and len(embeddings) <= 1:
+        return False
+    raise UnsupportedModelError(
+        f"{type(decoder).__name__}.forward takes no position_ids; tree nodes need explicit positions: "
+        "train this model without tree_packing"
     )
 
 
@@ -86,7 +97,8 @@ class ModelAdapter:
 
     Raises:
         UnsupportedModelError: when the model has no decoder/LM-head split, its forward takes no
-            external cache or position ids, or a layer's cache kind is not supported.
+            external cache, or no position ids while it has attention layers or position
+            embeddings, or a layer's cache kind is not supported.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -97,15 +109,10 @@ class ModelAdapter:
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
         self.logit_scale = getattr(self.config, "logit_scale", None)
         self.layer_kinds = _layer_kinds(self.base)
-        restarts = compat.restarts_state(self.base)
-        if restarts is not None:
-            raise UnsupportedModelError(
-                f"{type(self.base).__name__}'s {restarts} layers start every multi-token input from a zero recurrent "
-                "state (transformers' torch path takes no initial state), so a tree node cannot continue its "
-                "parent's state: train this model without tree_packing"
-            )
+        self.takes_positions = _takes_positions(self.decoder, self.layer_kinds)
         self.has_state = "state" in self.layer_kinds or "mixed" in self.layer_kinds
         self.ssm_modules = compat.ssm_step_modules(self.base)  # whose one-token step a pass swaps
+        self.scan_mixers = compat.scan_mixers(self.base)  # Mamba-1: scanned from the parent's state
         self.attn_implementation = compat.attention_implementation(self.base.config)
         # Multi-head latent attention: the split attention runs over its latent cache (attention.latent)
         self.mla_modules = compat.mla_modules(self.base)
@@ -156,9 +163,10 @@ class ModelAdapter:
         kwargs = {self.cache_kwarg: cache, "use_cache": cache is not None}
         if routers is not None:
             kwargs["output_router_logits"] = True
-        out = self.decoder(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, **kwargs
-        )
+        if self.takes_positions:  # else no positional encoding: the state carries the order
+            kwargs["position_ids"] = position_ids
+        with continuing(self.scan_mixers, cache):
+            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         if cache is not None:
             check_pieces_used(cache, self.name)
         if routers is not None:
@@ -180,6 +188,10 @@ class ModelAdapter:
                 ``"fp32"``: the head in float32 outside autocast (TRL's ``cast_lm_head_to_fp32``).
         """
         if precision == "model":
+            weight = getattr(self.head, "weight", None)
+            if weight is not None and weight.is_floating_point() and hidden.dtype != weight.dtype:
+                # Mamba's residual stays float32 under bf16 weights; its own head casts it so
+                hidden = hidden.to(weight.dtype)
             logits = self.head(hidden)
         else:
             if precision == "fp32":

@@ -4,8 +4,9 @@
   (:data:`ZOO`): MHA/GQA/MQA Llama, Qwen2, Qwen3 (q/k norms), Mistral with a sliding window,
   Gemma 2 (logit softcapping, eager), LFM2 (conv + attention), Qwen3-Next (linear attention + MoE),
   Qwen3-MoE, Mixtral, OLMoE, GPT-OSS (MoE with the router load-balancing loss), Bamba and
-  NemotronH (Mamba-2 + attention layers), Falcon-H1 (both in one layer), DeepSeek-V2, DeepSeek-V3
-  and a Kimi-K2-shaped DeepSeek-V3 (multi-head latent attention + MoE).
+  NemotronH (Mamba-2 + attention layers), Falcon-H1 (both in one layer), Mamba-2, Mamba,
+  FalconMamba, Jamba (+ attention and MoE) and Zamba (Mamba-1 selective scans), DeepSeek-V2, DeepSeek-V3 and a
+  Kimi-K2-shaped DeepSeek-V3 (multi-head latent attention + MoE).
 - :func:`llama`: the benchmark sizes (:data:`SIZES`: "tiny", "small", and "micro" for smoke runs).
 - :func:`byte_tokenizer`, :func:`word_tokenizer`, :func:`byte_llama`, :func:`save_pretrained`:
   what a host trainer needs to load a model by path (TRL's ``GRPOTrainer(model=path)``).
@@ -178,6 +179,62 @@ ZOO: dict[str, tuple[str, str, dict[str, Any]]] = {
             "mamba_chunk_size": 4,
         },
     ),
+    # Mamba-1 (selective scan): pure SSMs without position ids, Jamba's Mamba + attention (+ MoE),
+    # Zamba. Larger initial weights for the hybrids: at the default 0.02 their SSM state moves the
+    # log-probs by 1e-7 (Jamba) and 1e-13 (Zamba), too little for a test to see a state dropped
+    "mamba": ("MambaConfig", "MambaForCausalLM", {"num_hidden_layers": 2, "state_size": 4, "conv_kernel": 3}),
+    "mamba2": (  # the pure Mamba-2 SSM (its forward takes no position ids either)
+        "Mamba2Config",
+        "Mamba2ForCausalLM",
+        {
+            "num_hidden_layers": 2,
+            "num_heads": 8,
+            "head_dim": 8,
+            "n_groups": 1,
+            "state_size": 4,
+            "chunk_size": 4,
+        },
+    ),
+    "falconmamba": (  # RMS norms on dt, B, C
+        "FalconMambaConfig",
+        "FalconMambaForCausalLM",
+        {"num_hidden_layers": 2, "state_size": 4, "conv_kernel": 3},
+    ),
+    "jamba": (
+        "JambaConfig",
+        "JambaForCausalLM",
+        {
+            **_ATTN,
+            "num_hidden_layers": 3,
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "expert_layer_period": 2,
+            "expert_layer_offset": 1,
+            "mamba_d_state": 4,
+            "mamba_d_conv": 3,
+            "mamba_expand": 2,
+            "mamba_dt_rank": 4,
+            "initializer_range": 0.1,
+        },
+    ),
+    "zamba": (  # Mamba-1 split into heads; one attention block shared by the two hybrid layers
+        "ZambaConfig",
+        "ZambaForCausalLM",
+        {
+            **_ATTN,
+            "num_hidden_layers": 3,
+            "layers_block_type": ["mamba", "hybrid", "hybrid"],
+            "attention_head_dim": 8,
+            "n_mamba_heads": 2,
+            "mamba_d_state": 4,
+            "mamba_d_conv": 3,
+            "mamba_expand": 2,
+            "mamba_dt_rank": 4,
+            "initializer_range": 0.2,
+        },
+    ),
     # Multi-head latent attention (latent cache, value heads narrower than query-key heads) + MoE
     "deepseekv2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {**_MLA, "q_lora_rank": None}),
     "deepseekv3": (  # group-limited routing (n_group/topk_group), q LoRA, interleaved rope
@@ -202,7 +259,7 @@ ZOO: dict[str, tuple[str, str, dict[str, Any]]] = {
         },
     ),
 }
-_MOE = ("qwen3next", "qwen3moe", "mixtral", "olmoe", "gptoss", "deepseekv2", "deepseekv3", "kimik2")
+_MOE = ("qwen3next", "qwen3moe", "mixtral", "olmoe", "gptoss", "jamba", "deepseekv2", "deepseekv3", "kimik2")
 
 
 def tiny_causal_lm(
@@ -214,9 +271,9 @@ def tiny_causal_lm(
 ) -> nn.Module:
     """A tiny causal LM of architecture ``name`` (a key of :data:`ZOO`), in eval mode.
 
-    Hidden size 32, vocabulary :data:`TEST_VOCAB`; ``config`` overrides any config field. Gemma 2
-    and GPT-OSS always use eager attention (no sdpa path); MoE experts run eagerly (grouped_mm has
-    no float64 kernel).
+    Hidden size 32, vocabulary :data:`TEST_VOCAB`; ``config`` overrides any config field. Gemma 2,
+    GPT-OSS and the attention-free Mamba, Mamba-2 and FalconMamba always use eager attention (no sdpa path);
+    MoE experts run eagerly (grouped_mm has no float64 kernel).
     """
     import transformers
 
@@ -225,7 +282,7 @@ def tiny_causal_lm(
     config_cls, model_cls, fields = ZOO[name]
     common = dict(vocab_size=TEST_VOCAB, hidden_size=32, intermediate_size=48, max_position_embeddings=512)
     cfg = getattr(transformers, config_cls)(**{**common, **fields, **config})
-    if name in ("gemma2", "gptoss"):
+    if name in ("gemma2", "gptoss", "mamba", "mamba2", "falconmamba"):  # no sdpa path (or no attention)
         attn = "eager"
     if name in _MOE:
         compat.set_experts_implementation(cfg, "eager")
