@@ -75,10 +75,14 @@ def _takes_positions(decoder: nn.Module, kinds: list[str]) -> bool:
 
 
 def _layer_kinds(base: nn.Module) -> list[str]:
-    kinds = [
-        _KINDS.get(type(layer), type(layer).__name__)
-        for layer in compat.DynamicCache(config=base.config).layers
-    ]
+    try:
+        layers = compat.DynamicCache(config=base.config).layers
+    except (AttributeError, TypeError, ValueError) as err:  # e.g. BLT's config: no num_hidden_layers
+        raise UnsupportedModelError(
+            f"transformers cannot build a cache from {type(base).__name__}'s config ({type(err).__name__}: {err}), "
+            "so forkrl cannot rebuild it per tree node: train this model without tree_packing"
+        ) from err
+    kinds = [_KINDS.get(type(layer), type(layer).__name__) for layer in layers]
     unsupported = sorted({k for k in kinds if k not in ("full", "sliding", "state", "mixed", "none")})
     if unsupported:
         raise UnsupportedModelError(

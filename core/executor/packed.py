@@ -30,7 +30,9 @@ def check_packed(adapter: ModelAdapter) -> None:
             f"{name} keeps convolution/recurrent state, which a tree attention mask cannot route: use "
             "mode='keep' or mode='replay'"
         )
-    if "sliding" in adapter.layer_kinds:
+    # GPT-Neo's local layers keep full cache layers and apply their window through the mask only.
+    local = "local" in (getattr(adapter.config, "attention_layers", None) or ())
+    if "sliding" in adapter.layer_kinds or local:
         raise UnsupportedModelError(
             f"{name} has sliding-window layers; packed mode passes one tree mask to all layers: use mode='keep' "
             "or mode='replay'"

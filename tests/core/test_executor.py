@@ -201,6 +201,16 @@ def test_packed_refused_for_state_models_and_sliding_windows():
         TreeExecutor(make_model("lfm2"), mode="packed")
     with pytest.raises(UnsupportedModelError, match="sliding"):
         TreeExecutor(make_model("mistral-swa"), mode="packed")
+    # GPT-Neo's local layers keep full cache layers (the window is only in its mask): refused by
+    # structure, since under bf16 weights the probe's tolerance would not see the window
+    import transformers
+
+    neo = transformers.GPTNeoConfig(
+        vocab_size=61, hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
+        window_size=4, eos_token_id=0, bos_token_id=0,
+    )  # fmt: skip
+    with pytest.raises(UnsupportedModelError, match="sliding"):
+        TreeExecutor(transformers.GPTNeoForCausalLM(neo), mode="packed")
 
 
 def test_model_without_lm_head_is_refused():
