@@ -253,6 +253,8 @@ class DepthFirstPass:
                 continue
             if buffers[i] is None:
                 buffers[i] = _arena(layer, unit.node_len, requires_grad)
+            elif requires_grad and buffers[i][1] is None:  # after frozen blocks (prompt_grad="none")
+                buffers[i] = (buffers[i][0], tuple(t.new_zeros(t.shape) for t in buffers[i][0]))
             out.append(_arena_leaves(buffers[i], layer, unit.offset, requires_grad))
         return NodeKV(out)
 

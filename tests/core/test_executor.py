@@ -285,14 +285,23 @@ def test_sequence_longer_than_the_model_is_refused():
 
 
 @pytest.mark.parametrize(
-    "name,mode,block", [("llama-gqa", "keep", None), ("llama-gqa", "replay", 3), ("lfm2", "replay", 4)]
+    "name,mode,block,group",
+    [
+        ("llama-gqa", "keep", None, 3),
+        ("llama-gqa", "replay", 3, 3),
+        ("lfm2", "replay", 4, 3),
+        ("llama-gqa", "replay", 1, 1),
+    ],
 )
-def test_prompt_grad_none_is_the_truncated_gradient(name, mode, block):
-    """prompt_grad='none' equals the plain computation with the prompt's activations held constant."""
+def test_prompt_grad_none_is_the_truncated_gradient(name, mode, block, group):
+    """prompt_grad='none' equals the plain computation with the prompt's activations held constant
+    (also for one sequence, whose prompt and response are one node: its frozen prompt blocks come
+    before the blocks that need a gradient buffer)."""
     from transformers import DynamicCache
 
     model = make_model(name)
-    seqs, sf = grpo_group(prompt=9, group=3)
+    seqs, sf = grpo_group(prompt=9, group=max(group, 2))
+    seqs, sf = seqs[:group], sf[:group]
     P = sf[0]
     c_lp, c_ent = _coefs(seqs, sf, 12)
     forest = PrefixForest.build(seqs, sf)
