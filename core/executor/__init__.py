@@ -6,9 +6,12 @@
 - :mod:`.head`: the LM head at scored rows, and the coefficients a gradient pass applies.
 - :mod:`.model`: the model adapter (decoder / LM head split, cache kinds, switches).
 - :mod:`.cache`: the per-node caches and what a node leaves in them.
+- :mod:`.scan`: Mamba-1's selective scan from a parent's state.
+- :mod:`.context_parallel`: long-context replay with the prompt's cache split over ranks.
 """
 
 from ..tree import Unit, plan
+from .context_parallel import ContextParallelReplay, ContextParallelResult
 from .head import CoefficientFn
 from .model import ModelAdapter, UnsupportedModelError
 from .router import RouterLoss
@@ -18,6 +21,8 @@ __all__ = [
     "MODES",
     "PROMPT_GRADS",
     "CoefficientFn",
+    "ContextParallelReplay",
+    "ContextParallelResult",
     "ExecMode",
     "ModelAdapter",
     "PromptGrad",

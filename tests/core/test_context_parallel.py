@@ -1,0 +1,133 @@
+"""Context-parallel long-context replay on 2 and 4 gloo ranks, float64.
+
+The whole-group parameter gradient every rank ends with must equal single-device long-context
+replay and plain per-sequence autograd of the same prompt and GRPO group (8 responses) to 1e-10,
+with a prompt that does not split evenly, responses spread unevenly over the ranks (one rank with
+none: the ranks' collectives must still match), and blocks inside the chunks. Each rank's kept
+cache shard must be its chunk's share of the single-device cache (~1/C).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from forkrl.core.testing.ranks import rank_lines, torchrun
+
+ROOT = Path(__file__).resolve().parents[2]
+TOL = 1e-10
+
+_SCRIPT = r"""
+import sys, torch, torch.distributed as dist
+from forkrl.core import PrefixForest, TreeExecutor
+from forkrl.core.executor.context_parallel import ContextParallelReplay
+from forkrl.core.testing import Float64Mode
+from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err, tiny_causal_lm
+from forkrl.core.testing.ranks import finish, report
+
+name, P, block, prompt_grad, split = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+G = 8
+g = torch.Generator().manual_seed(7)
+prompt = torch.randint(0, 61, (P,), generator=g).tolist()
+responses = [torch.randint(0, 61, (2 + i % 4,), generator=g).tolist() for i in range(G)]
+coefs = [torch.randn(len(r), generator=g, dtype=torch.float64) for r in responses]
+# skewed: on 2 ranks all 8 on rank 0; on 4 ranks 5 + 0 + 2 + 1
+owners = {"round": [i % world for i in range(G)], "skewed": [o if o < world else 0 for o in (0, 0, 0, 0, 0, 2, 2, 3)]}[split]
+mine = [i for i in range(G) if owners[i] == rank]
+singles = [dist.new_group([r]) for r in range(world)]  # every rank alone: context parallel over C = 1
+
+raised = None
+try:
+    with Float64Mode():
+        model = tiny_causal_lm(name)
+        seqs = [prompt + r for r in responses]
+        if prompt_grad == "exact":
+            lps, _ = dense_logprobs(model, seqs, [P] * G)
+            sum((lp * c).sum() for lp, c in zip(lps, coefs)).backward()
+            dense = grads(model)
+            model.zero_grad(set_to_none=True)
+        TreeExecutor(model, mode="replay", block_size=block, prompt_grad=prompt_grad).backward(
+            PrefixForest.build(seqs, [P] * G), coefs
+        )
+        replay = grads(model)
+        if prompt_grad == "none":  # the truncated gradient is single-device replay's definition
+            dense = replay
+        model.zero_grad(set_to_none=True)
+        alone = ContextParallelReplay(model, group=singles[rank], block_size=block, prompt_grad=prompt_grad)
+        full = alone.backward(prompt, responses, coefs)
+        err_one = max_rel_err(grads(model), replay)
+        model.zero_grad(set_to_none=True)
+        cp = ContextParallelReplay(model, block_size=block, prompt_grad=prompt_grad)
+        res = cp.backward(prompt, [responses[i] for i in mine], [coefs[i] for i in mine])
+        got = grads(model)
+        lp_err = max(
+            [0.0] + [float((a - b.detach()).abs().max()) for a, b in zip(res.logprobs, [full.logprobs[i] for i in mine])]
+        )
+    lines = [
+        f"RANK {rank} REPLAY {max_rel_err(got, replay):.3e} DENSE {max_rel_err(got, dense):.3e} ONE {err_one:.3e} "
+        f"LP {lp_err:.3e} SHARD {res.shard_bytes} FULL {full.shard_bytes} GRADSHARD {res.shard_grad_bytes} "
+        f"CHUNK {res.chunk[1] - res.chunk[0]}"
+    ]
+except Exception as error:  # noqa: BLE001
+    # Only the message is kept: the traceback's frames are freed here, while the group is alive.
+    raised = f"{type(error).__name__}: {error}"
+if raised is not None:
+    lines = [f"RANK {rank} RAISED {raised}"]
+report(*lines)
+finish()
+"""
+
+
+@pytest.mark.parametrize(
+    "nproc, name, P, block, prompt_grad, split",
+    [
+        (2, "llama-gqa", 22, 4, "exact", "round"),  # 21 cached positions over 2 ranks: 11 + 10
+        (4, "qwen3", 23, 3, "exact", "skewed"),  # 22 over 4: 6 + 6 + 5 + 5; responses 5 + 0 + 2 + 1
+        (2, "llama-mha", 20, 64, "none", "skewed"),  # truncated; one block per chunk; 8 + 0 responses
+    ],
+)
+def test_context_parallel_replay_equals_single_device(nproc, name, P, block, prompt_grad, split, tmp_path):
+    script = tmp_path / "cp.py"
+    script.write_text(_SCRIPT)
+    out = torchrun(
+        script, name, str(P), str(block), prompt_grad, split, nproc=nproc, timeout=120, cwd=ROOT
+    ).stdout
+    lines = rank_lines(out)
+    assert len(lines) == nproc and not any("RAISED" in line for line in lines), out
+    cached = P - 1 if prompt_grad == "exact" else P  # exact: the last prompt token runs with each response
+    shards, chunks = [], []
+    for line in lines:
+        f = line.split()
+        values = dict(zip(f[2::2], f[3::2], strict=True))
+        assert float(values["REPLAY"]) < TOL, line
+        assert float(values["DENSE"]) < TOL, line
+        assert float(values["ONE"]) < TOL, line  # C = 1 (a one-rank subgroup) equals single-device replay
+        assert float(values["LP"]) < 1e-12, line
+        shard, full, chunk = int(values["SHARD"]), int(values["FULL"]), int(values["CHUNK"])
+        assert shard * cached == full * chunk, line  # the kept shard is exactly its chunk's share
+        assert int(values["GRADSHARD"]) == (shard if prompt_grad == "exact" else 0), line
+        shards.append(shard)
+        chunks.append(chunk)
+    assert sum(shards) == full  # nothing of the cache is kept twice
+    assert max(shards) <= full * -(-cached // nproc) / cached  # ~ full / C (ceil of the split)
+    assert max(shards) < full / nproc * 1.2
+
+
+def test_hybrid_and_sliding_models_are_refused_naming_single_device_replay():
+    from forkrl.core import UnsupportedModelError
+    from forkrl.core.executor.context_parallel import ContextParallelReplay
+    from forkrl.core.testing.models import tiny_causal_lm
+
+    for name in ("qwen3next", "mistral-swa"):
+        with pytest.raises(UnsupportedModelError, match=r"mode='replay', prompt_grad='exact'"):
+            ContextParallelReplay(tiny_causal_lm(name))
+
+
+def test_chunk_bounds_split_unevenly_by_at_most_one():
+    from forkrl.core.executor.context_parallel import chunk_bounds
+
+    assert chunk_bounds(22, 4) == [0, 6, 12, 17, 22]
+    assert chunk_bounds(8, 2) == [0, 4, 8]
