@@ -2,22 +2,39 @@
 
 For each ``*ForCausalLM`` in transformers' causal-LM mapping: build it from its config class with
 tiny sizes (hidden 32, 2 layers, 4 heads, 2 kv heads, vocab 61, whatever of these the config has;
-multi-head latent attention configs keep a key/value head per query head, see ``_mla_fields``),
-then run keep, replay (block 3) and packed mode on a GRPO-shaped forest against plain
-per-sequence autograd (float64 where the model builds in it, else float32): log-probs and every
-parameter gradient. Each (architecture, mode) is one of
+default token ids past the tiny vocabulary are moved inside it; a layer pattern is cut to the tiny
+depth keeping one layer of each kind; sub-configs (text, vision, audio) are shrunk the same way, and
+a composite config whose causal LM is its text model builds that text config; multi-head latent
+attention configs keep a key/value head per query head, see ``_mla_fields``), then the fields and
+build steps of its entry in ``model_sweep_configs.py`` (the per-architecture table), and run keep,
+replay (block 3) and packed mode on a GRPO-shaped forest against plain per-sequence autograd
+(float64 where the model builds and runs in it, else float32): log-probs and every parameter
+gradient. Each (architecture, mode) is one of
 
     exact       within the tolerance (float64 1e-10, float32 1e-4, relative to the largest norm)
     refused     UnsupportedModelError before any gradient changed (the message is recorded)
     mismatch    ran but disagrees                         -- a failure
     crash       any other exception, or state changed by a refusal -- a failure
     timeout     past --seconds per architecture           -- a failure
-    unbuildable the config or model does not build at tiny sizes on this machine (not counted)
 
-Prints a table and one line of JSON (docs/models.md is rendered from that JSON by scripts/models_page.py).
+and an architecture is ``refused`` without running when the table's ``NEEDS`` says its forward
+needs inputs a causal-LM run does not have, or when it needs a package not installed here (the
+reason is recorded); ``unbuildable`` (its tiny config or model does not build) is a gap in the table.
 
-    .venv/bin/python scripts/model_sweep.py                     # every architecture
-    .venv/bin/python scripts/model_sweep.py --only llama,qwen3  # some (model_type names)
+``--precision bf16`` (bf16 autocast over float32 weights) and ``--precision bf16-weights`` (bf16
+parameters) instead hold each mode to the criterion of tests/core/test_precision.py: on the batch
+of those tests, per quantity (all log-probs; all parameter gradients), ``Bf16Rounding(tree, stock
+bf16, stock float32).check_follows(near=1.5)``: the tree's distance from float32 stock is 0.5 to 1.5
+times stock bf16's own, and within 1.5 of it from stock bf16. A mode is then ``pass`` or ``fail`` (or
+refused or crash as above); ``stock fails`` marks an architecture whose own forward or backward
+raises in that precision.
+
+Prints a table and one line of JSON (docs/models.md is rendered from the float64 JSON by
+scripts/models_page.py).
+
+    .venv/bin/python scripts/model_sweep.py                      # every architecture, float64 (~2 min)
+    .venv/bin/python scripts/model_sweep.py --precision bf16     # every architecture, bf16 autocast
+    .venv/bin/python scripts/model_sweep.py --only llama,qwen3   # some (model_type names)
 """
 
 from __future__ import annotations
@@ -35,6 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+from model_sweep_configs import AFTER_BUILD, NEEDS, OVERRIDES  # noqa: E402
 
 TINY = dict(
     hidden_size=32,
@@ -64,23 +82,6 @@ TINY = dict(
     qk_nope_head_dim=4,
     v_head_dim=6,  # MLA: value heads narrower than query-key heads (nope + rope = 8), as in DeepSeek
 )
-# Hybrids whose layer pattern or mixer sizes the generic fields above do not reach (with two
-# layers of the default pattern they would hold no attention layer, or fail a size check).
-_MAMBA = dict(mamba_d_state=4, mamba_d_conv=3, mamba_expand=2)
-OVERRIDES = {
-    "bamba": dict(num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16,
-                  mamba_n_groups=2, mamba_chunk_size=4, **_MAMBA),
-    "nemotron_h": dict(num_hidden_layers=3, hybrid_override_pattern="*MM", mamba_num_heads=4, mamba_head_dim=16,
-                       n_groups=1, ssm_state_size=4, conv_kernel=3, expand=2, chunk_size=4),
-    "granitemoehybrid": dict(num_hidden_layers=3, layer_types=["attention", "mamba", "mamba"], mamba_n_heads=4,
-                             mamba_d_head=16, mamba_n_groups=1, mamba_chunk_size=4, **_MAMBA),
-    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
-                  mamba_dt_rank=4, use_mamba_kernels=False, **_MAMBA),
-    "zamba2": dict(layers_block_type=["mamba", "hybrid"], mamba_headdim=16, n_mamba_heads=4, mamba_ngroups=1,
-                   chunk_size=4, attention_head_dim=8, num_mem_blocks=1, **_MAMBA),
-    "falcon_h1": dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_chunk_size=4, mamba_d_ssm=64,
-                      **_MAMBA),
-}  # fmt: skip
 MAX_PARAMS = 20_000_000
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
 MODES = (("keep", None), ("replay", 3), ("packed", None))
@@ -107,53 +108,121 @@ def _mla_fields(probe) -> dict:
     return fields
 
 
-def build(model_type: str, class_name: str, dtype):
-    """The tiny model, or raises (unbuildable)."""
-    import transformers
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "cls_token_id",
+              "decoder_start_token_id", "start_token_id")  # fmt: skip
+
+
+def _layer_types(probe, fields: dict, own: dict) -> None:
+    """Cut a layer pattern to the tiny depth, keeping every kind of the full pattern (two layers of a
+    3:1 linear/full pattern would hold no attention layer, which transformers' own cache cannot run)."""
+    layers = fields.get("num_hidden_layers", 2)
+    if "layer_types" in own or "hybrid_override_pattern" in fields:
+        return
+    full = getattr(probe, "layer_types", None)
+    if not isinstance(full, (list, tuple)) or len(full) <= layers:
+        return
+    types = list(full)[:layers]
+    missing = [k for k in dict.fromkeys(full) if k not in types]
+    if missing and len(missing) < layers:
+        types = types[: layers - len(missing)] + missing
+    fields["layer_types"] = types
+
+
+def _settable(probe, key: str) -> bool:
+    """Whether the config has field ``key`` (also through its attribute map) and it is not a
+    read-only property (Falcon's ``head_dim``, xLSTM's ``v_head_dim`` are derived from others)."""
+    attr = getattr(type(probe), key, None)
+    if isinstance(attr, property) and attr.fset is None:
+        return False
+    try:
+        getattr(probe, key)
+    except AttributeError:
+        return False
+    except Exception:  # noqa: BLE001 - a per-layer field (Gemma 4, dots3): present, set as a whole
+        return True
+    return True
+
+
+def tiny_fields(probe, own: dict) -> dict:
+    """The tiny fields of one config (``probe``: its defaults; ``own``: its entry in the table):
+    the generic sizes it has, token ids kept inside the tiny vocabulary, a cut layer pattern, each
+    sub-config shrunk the same way (as a dict over its defaults), then the table's fields."""
+    from transformers import PreTrainedConfig
+
+    own = dict(own)
+    drop = set(own.pop("drop", ()))
+    fields = {k: v for k, v in TINY.items() if k not in drop and _settable(probe, k)}
+    if _settable(probe, "kv_lora_rank"):  # MLA (DeepSeek-V2/V3, Kimi K2, MiniCPM3, ...): its own head sizes
+        fields.update(_mla_fields(probe))
+    vocab = fields.get("vocab_size", TINY["vocab_size"])
+    for key in _TOKEN_IDS:  # a default id past the tiny vocabulary fails an embedding's padding_idx check
+        value = getattr(probe, key, None) if key in probe.to_dict() else None
+        if isinstance(value, int) and value >= vocab:
+            fields[key] = 0 if key == "pad_token_id" else vocab - 1
+    for name in getattr(type(probe), "sub_configs", {}):
+        sub = getattr(probe, name, None)
+        if isinstance(sub, PreTrainedConfig):
+            fields[name] = type(sub).from_dict({**sub.to_dict(), **tiny_fields(sub, own.pop(name, {}))})
+    fields.update(own)
+    _layer_types(probe, fields, own)
+    return fields
+
+
+def tiny_config(model_type: str, cls):
+    """The tiny config of ``cls`` (a causal-LM class of ``model_type``), or raises (unbuildable)."""
     from transformers import CONFIG_MAPPING
 
     config_cls = CONFIG_MAPPING[model_type]
-    probe = config_cls()
-    fields = {k: v for k, v in TINY.items() if hasattr(probe, k)}
-    if hasattr(probe, "kv_lora_rank"):  # MLA (DeepSeek-V2/V3, Kimi K2, MiniCPM3, ...): its own head sizes
-        fields.update(_mla_fields(probe))
-    fields.update(OVERRIDES.get(model_type, {}))
-    layers = fields.get("num_hidden_layers", 2)
-    pattern = "layer_types" in OVERRIDES.get(model_type, {}) or "hybrid_override_pattern" in fields
-    if (
-        not pattern
-        and isinstance(getattr(probe, "layer_types", None), (list, tuple))
-        and len(probe.layer_types) > layers
-    ):
-        types = list(probe.layer_types)[:layers]
-        # Keep every kind of the full pattern (two layers of a 3:1 linear/full pattern would hold no
-        # attention layer, which transformers' own cache cannot run).
-        missing = [k for k in dict.fromkeys(probe.layer_types) if k not in types]
-        if missing and len(missing) < layers:
-            types = types[: layers - len(missing)] + missing
-        fields["layer_types"] = types
+    own = OVERRIDES.get(model_type, {})
+    subs = {c: name for name, c in getattr(config_cls, "sub_configs", {}).items()}
+    if cls.config_class is not config_cls and cls.config_class in subs:
+        # A composite config whose causal LM is its text model (Qwen3.5, Llama 4, Emu3): build that.
+        own = own.get(subs[cls.config_class], {})
+        config_cls = cls.config_class
+    probe = config_cls(**own.get("probe", {}))
+    fields = tiny_fields(probe, {k: v for k, v in own.items() if k != "probe"})
     try:
         config = config_cls(**fields)
     except (TypeError, ValueError, AttributeError):
-        fields.pop("layer_types", None)
+        if "layer_types" not in fields or "layer_types" in own:
+            raise
+        fields.pop("layer_types")
         config = config_cls(**fields)
-    config._attn_implementation = "sdpa"
-    if dtype == torch.float64:  # grouped_mm (the default experts kernel) has no float64 kernel
-        from forkrl.core import compat
-
-        compat.set_experts_implementation(config, "eager")
     try:
         config.use_cache = True
     except AttributeError:
         pass
+    return config
+
+
+def _all_configs(config) -> list:
+    """The config and its sub-configs (attention and experts kernels are chosen per config)."""
+    from transformers import PreTrainedConfig
+
+    subs = [getattr(config, n, None) for n in getattr(type(config), "sub_configs", {})]
+    return [config] + [c for c in subs if isinstance(c, PreTrainedConfig)]
+
+
+def build(model_type: str, class_name: str, dtype):
+    """The tiny model, or raises (unbuildable)."""
+    import transformers
+
+    from forkrl.core import compat
+
     cls = getattr(transformers, class_name)
+    config = tiny_config(model_type, cls)
+    for c in _all_configs(config):
+        c._attn_implementation = "sdpa"
+        if dtype == torch.float64:  # grouped_mm (the default experts kernel) has no float64 kernel
+            compat.set_experts_implementation(c, "eager")
     with torch.device("meta"):  # size first: fields the tiny overrides miss can make it huge
         try:
             numel = sum(p.numel() for p in cls(config).parameters())
         except ValueError as err:  # no sdpa path (GPT-OSS's sinks, older models): their own eager attention
             if "scaled_dot_product_attention" not in str(err):
                 raise
-            config._attn_implementation = "eager"
+            for c in _all_configs(config):
+                c._attn_implementation = "eager"
             numel = sum(p.numel() for p in cls(config).parameters())
     if numel > MAX_PARAMS:
         raise ValueError(
@@ -162,6 +231,9 @@ def build(model_type: str, class_name: str, dtype):
     torch.manual_seed(0)
     model = cls(config).to(dtype)
     model.eval()
+    if model_type in AFTER_BUILD:
+        method, args = AFTER_BUILD[model_type]
+        getattr(model, method)(*args)
     return model
 
 
@@ -200,26 +272,112 @@ def check(model, dtype) -> dict[str, dict]:
     return out
 
 
-def sweep_one(model_type: str, class_name: str, seconds: float) -> dict:
-    """One architecture's row: its status, dtype, per-mode results (or why it did not build)."""
+def _flat(xs) -> torch.Tensor:
+    return torch.cat([x.detach().double().flatten() for x in xs])
+
+
+def _stock_bf16(model, seqs, sf, coefs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain per-sequence autograd: all log-probs and all parameter gradients, flat."""
+    from forkrl.core.testing.models import dense_logprobs, grads
+
+    model.zero_grad(set_to_none=True)
+    lps, _ = dense_logprobs(model, seqs, sf)
+    sum((lp.float() * c).sum() for lp, c in zip(lps, coefs, strict=True)).backward()
+    return _flat(lps), _flat(grads(model))
+
+
+def check_bf16(model, weights: bool) -> dict[str, dict]:
+    """Each mode in bf16 against stock in bf16, both measured from stock in float32, with the
+    criterion of tests/core/test_precision.py (``Bf16Rounding.check_follows(near=1.5)``, on the
+    vector of all log-probs and the vector of all parameter gradients): under bf16 autocast over
+    float32 weights (``weights=False``), or on bf16 weights (float32 stock then runs on the same
+    bf16-rounded weights, so the gap is the computation's rounding alone)."""
+    import contextlib
+
+    from forkrl.core import PrefixForest, TreeExecutor, UnsupportedModelError
+    from forkrl.core.testing import Bf16Rounding
+    from forkrl.core.testing.models import grads
+    from tests.core.forests import deep_tree, grpo_group
+
+    # The batch of tests/core/test_precision.py: a GRPO group and a deep multi-turn tree, so that the
+    # bf16 gap is measured over enough tokens to be stable.
+    (a, fa), (b, fb) = grpo_group(seed=3, group=6), deep_tree()
+    seqs, sf = a + b, fa + fb
+    g = torch.Generator().manual_seed(7)
+    coefs = [torch.randn(len(s) - f, generator=g) for s, f in zip(seqs, sf, strict=True)]
+    if weights:
+        model = model.to(torch.bfloat16).float()
+    exact = _stock_bf16(model, seqs, sf, coefs)
+    if weights:
+        model = model.to(torch.bfloat16)
+    ctx = contextlib.nullcontext if weights else lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    with ctx():
+        stock = _stock_bf16(model, seqs, sf, coefs)
+    forest = PrefixForest.build(seqs, sf)
+    out = {}
+    for mode, block in MODES:
+        model.zero_grad(set_to_none=True)
+        try:
+            with ctx():
+                res = TreeExecutor(model, mode=mode, block_size=block).backward(forest, coefs)
+        except UnsupportedModelError as err:
+            clean = all(p.grad is None for p in model.parameters())
+            out[mode] = {"status": "refused" if clean else "crash", "why": str(err)[:300]}
+            continue
+        except Exception as err:  # noqa: BLE001 - a crash is a result here
+            out[mode] = {"status": "crash", "why": f"{type(err).__name__}: {str(err)[:300]}"}
+            continue
+        tree = (_flat(res.logprobs), _flat(grads(model)))
+        row: dict = {"status": "pass"}
+        for what, i in (("logprob", 0), ("grad", 1)):
+            try:
+                r = Bf16Rounding(what, tree[i], stock[i], exact[i])
+                row[f"{what}_off"], row[f"{what}_near"] = r.off, r.near
+                r.check_follows(near=1.5)
+            except AssertionError as err:
+                row["status"], row["why"] = "fail", str(err)[:300]
+        out[mode] = row
+    return out
+
+
+def _run(row: dict, model_type: str, class_name: str, precision: str) -> None:
+    """Fill ``row``: build (float64 where the model builds and runs in it, else float32; the bf16
+    modes start from float32) and check, or record why not."""
+    for dtype in (torch.float64, torch.float32) if precision == "float64" else (torch.float32,):
+        try:
+            model = build(model_type, class_name, dtype)
+        except ImportError as err:  # an optional dependency (Gemma 3n's timm vision tower)
+            row["why"] = "needs a package not installed here: " + " ".join(str(err).split())[:200]
+            return
+        except Exception as err:  # noqa: BLE001 - an architecture that does not build tiny
+            row["build_error"] = f"{type(err).__name__}: {str(err)[:200]}"
+            continue
+        try:
+            if precision == "float64":
+                row["modes"] = check(model, dtype)
+            else:
+                row["modes"] = check_bf16(model, weights=precision == "bf16-weights")
+        except Exception as err:  # noqa: BLE001 - the dense reference itself failed
+            if precision != "float64":  # stock itself does not run in bf16 (DBRX's, X-MOD's index ops)
+                row["stock_error"] = f"{type(err).__name__}: {str(err)[:200]}"
+                return
+            row["build_error"] = f"reference: {type(err).__name__}: {str(err)[:200]}"
+            continue
+        row.pop("build_error", None)
+        row["dtype"] = str(dtype).split(".")[1] if precision == "float64" else precision
+        return
+
+
+def sweep_one(model_type: str, class_name: str, seconds: float, precision: str = "float64") -> dict:
+    """One architecture's row: its status, dtype, per-mode results (or why it did not run)."""
     row: dict = {"model_type": model_type, "class": class_name}
     start = time.perf_counter()
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
-        model = dtype = None
-        for dtype in (torch.float64, torch.float32):
-            try:
-                model = build(model_type, class_name, dtype)
-                break
-            except Exception as err:  # noqa: BLE001 - an architecture that does not build tiny
-                row["build_error"] = f"{type(err).__name__}: {str(err)[:200]}"
-        if model is not None:
-            row.pop("build_error", None)
-            row["dtype"] = str(dtype).split(".")[1]
-            try:
-                row["modes"] = check(model, dtype)
-            except Exception as err:  # noqa: BLE001 - the dense reference itself failed
-                row["build_error"] = f"reference: {type(err).__name__}: {str(err)[:200]}"
+        if model_type in NEEDS:  # inputs a causal-LM run does not have: not run
+            row["why"] = NEEDS[model_type]
+        else:
+            _run(row, model_type, class_name, precision)
         row["status"] = _status(row)
     except Timeout:
         row["status"] = "timeout"
@@ -234,24 +392,33 @@ def sweep_one(model_type: str, class_name: str, seconds: float) -> dict:
 
 def _status(row: dict) -> str:
     if "modes" not in row:
-        return "unbuildable"
+        if "stock_error" in row:
+            return "stock fails"
+        return "refused" if row.get("why") else "unbuildable"
     states = {m["status"] for m in row["modes"].values()}
-    for bad in ("crash", "mismatch"):
+    for bad in ("crash", "mismatch", "fail"):
         if bad in states:
             return bad
-    if states == {"exact"}:
-        return "exact"
-    return "exact (some modes refused)" if "exact" in states else "refused"
+    good = "pass" if "pass" in states else "exact"
+    if states == {good}:
+        return good
+    return f"{good} (some modes refused)" if good in states else "refused"
 
 
-def print_table(rows: list[dict], tf_version: str) -> None:
-    print(f"transformers {tf_version}: {len(rows)} causal-LM architectures")
+def print_table(rows: list[dict], tf_version: str, precision: str = "float64") -> None:
+    print(f"transformers {tf_version}: {len(rows)} causal-LM architectures ({precision})")
     print("| architecture | status | dtype | keep | replay | packed | note |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         modes = r.get("modes", {})
         cells = [modes.get(m, {}).get("status", "-") for m, _ in MODES]
-        note = r.get("build_error") or next((v.get("why") for v in modes.values() if "why" in v), "") or ""
+        note = (
+            r.get("build_error")
+            or r.get("stock_error")
+            or r.get("why")
+            or next((v.get("why") for v in modes.values() if "why" in v), "")
+            or ""
+        )
         note = note[:120].replace("|", "/").replace("\n", " ")
         print(f"| {r['class']} | {r['status']} | {r.get('dtype', '-')} | {' | '.join(cells)} | {note} |")
 
@@ -263,6 +430,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="", help="comma list of model_type names")
     ap.add_argument("--seconds", type=float, default=120.0, help="per architecture")
+    ap.add_argument(
+        "--precision",
+        choices=("float64", "bf16", "bf16-weights"),
+        default="float64",
+        help="float64: exact against plain autograd (float32 where a model does not run in float64); "
+        "bf16: bf16 autocast over float32 weights, bf16-weights: bf16 parameters, each against stock's "
+        "own bf16 error from float32 (pass/fail)",
+    )
     ap.add_argument("--memory-gib", type=float, default=8.0, help="address-space limit of the sweep")
     args = ap.parse_args()
     only = {s for s in args.only.split(",") if s}
@@ -273,14 +448,15 @@ def main() -> None:
     rows = []
     for model_type, class_name in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()):
         if not only or model_type in only:
-            rows.append(sweep_one(model_type, class_name, args.seconds))
+            rows.append(sweep_one(model_type, class_name, args.seconds, args.precision))
             r = rows[-1]
             print(f"{model_type:28s} {r['status']:28s} {r['seconds']:.1f}s", file=sys.stderr, flush=True)
     counts: dict[str, int] = {}
     for r in rows:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
-    print_table(rows, tf_version)
-    print(json.dumps({"sweep": "model_sweep", "transformers": tf_version, "counts": counts, "rows": rows}))
+    print_table(rows, tf_version, args.precision)
+    summary = {"sweep": "model_sweep", "transformers": tf_version, "precision": args.precision}
+    print(json.dumps({**summary, "counts": counts, "rows": rows}))
 
 
 if __name__ == "__main__":
