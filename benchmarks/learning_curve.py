@@ -94,8 +94,14 @@ def plot(curves: dict[str, tuple[list[float], list[float]]], path: Path, title: 
 
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(9, 3.6), dpi=120, sharey=True)
     for i, (name, (rewards, seconds)) in enumerate(curves.items()):
-        by_step.plot(range(1, len(rewards) + 1), rewards, color=f"C{i}", label=name)
-        by_time.plot(seconds, rewards, color=f"C{i}", label=name)
+        # Each step's mean over 2 prompts is coarse (0, 0.5, 1 once the letters are learned): the
+        # 5-step running mean is drawn over the raw values.
+        smooth = [statistics.mean(rewards[max(0, k - 4) : k + 1]) for k in range(len(rewards))]
+        steps = range(1, len(rewards) + 1)
+        by_step.plot(steps, rewards, color=f"C{i}", alpha=0.25, lw=0.8)
+        by_step.plot(steps, smooth, color=f"C{i}", label=f"{name} (5-step mean)")
+        by_time.plot(seconds, rewards, color=f"C{i}", alpha=0.25, lw=0.8)
+        by_time.plot(seconds, smooth, color=f"C{i}", label=f"{name} (5-step mean)")
     by_step.set_xlabel("optimizer step")
     by_time.set_xlabel("wall-clock seconds (generation included)")
     by_step.set_ylabel("mean reward")
