@@ -408,12 +408,16 @@ class TreeExecutor:
         ]
         try:
             with torch.autocast(kind, enabled=False):
-                yield
+                try:
+                    yield
+                finally:
+                    # A forward that raised left its hook's context open: close it here, inside the
+                    # outer one (closed after it, it would restore "disabled" for the whole process).
+                    while entered:
+                        entered.pop().__exit__(None, None, None)
         finally:
             for h in handles:
                 h.remove()
-            while entered:
-                entered.pop().__exit__(None, None, None)
 
     def _probe_compare(self, forest: PrefixForest) -> str | None:
         lp, _ = self._pass(forest, grad=False, entropy=False, coef=None)

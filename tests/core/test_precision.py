@@ -202,3 +202,27 @@ def test_probe_accepts_bf16_hosts_and_still_refuses_broken_caches(monkeypatch):
         pytest.raises(UnsupportedModelError, match="cache contract"),
     ):
         TreeExecutor(model, mode="keep").score(forest)
+
+
+def test_a_probe_that_falls_back_leaves_autocast_as_the_host_set_it():
+    """Falcon's split-attention probe raises inside the decoder (the pass falls back to its own
+    attention): the probe's autocast-off context used to be closed after the outer one, leaving
+    autocast off for the rest of the process, so the tree and everything after it ran in float32
+    under a bf16 host. The tree's log-probs must be stock's bf16 ones, and autocast still on."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.FalconConfig(
+        vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4
+    )
+    model = transformers.FalconForCausalLM(config).eval()
+    seqs, sf = grpo_group(prompt=9, group=3)
+    forest = PrefixForest.build(seqs, sf)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        stock = torch.cat(dense_logprobs(model, seqs, sf)[0])
+        tree = torch.cat(TreeExecutor(model, mode="keep").score(forest).logprobs)
+        assert torch.is_autocast_enabled("cpu")
+    with torch.no_grad():
+        exact = torch.cat(dense_logprobs(model, seqs, sf)[0])
+    assert (stock - exact).abs().max() > 1e-4  # bf16 rounded something
+    assert torch.equal(tree, stock)
