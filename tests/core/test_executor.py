@@ -497,3 +497,22 @@ def test_packed_flex_block_mask_is_the_tree_mask(monkeypatch):
     assert calls["n"] == 1
     assert max_rel_err(got, want) < 1e-5
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_small_broken_contract_is_refused_in_float32_too():
+    """BertGenerationDecoder without ``is_decoder`` attends both ways; at tiny sizes its probe
+    log-probs differ by only about 2e-3 (in float64 too): the float32 probe bound (2e-4, against
+    agreement near 1e-6) must refuse it instead of letting the tree train it wrong."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BertGenerationConfig(
+        vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+        pad_token_id=0, bos_token_id=2, eos_token_id=1,
+    )  # fmt: skip
+    model = transformers.BertGenerationDecoder(config)
+    forest = PrefixForest.build([[3, 4, 5, 6], [3, 4, 7]], [2, 2])
+    with pytest.raises(
+        UnsupportedModelError, match="log-probs differ from the model's forward by [0-9.]+e-0[34]"
+    ):
+        TreeExecutor(model, mode="keep").score(forest)
