@@ -9,6 +9,7 @@ Packages, each split by the axis it grows on:
 - :mod:`.train`: the host-neutral training step every plugin calls, and :class:`TreeOptions`.
 - :mod:`.balance`: tree-aware data-parallel balancing (cost model fitted to timings, the plan,
   rows moved between ranks).
+- :mod:`.estimate`: what tree training would save on a user's prompts (``python -m forkrl estimate``).
 - :mod:`.speculative`: self-speculative rollout (acceptance math, policy and cost model, the
   Hugging Face engine, stats, :class:`~forkrl.core.speculative.SpeculativeOptions`).
 - :mod:`.quant`: weight-only int4/int8 linear layers and the self-drafter.
