@@ -15,12 +15,12 @@ import torch
 
 from forkrl.core import PrefixForest, TreeExecutor, UnsupportedModelError
 from forkrl.core.executor import scan
-from forkrl.core.testing import Bf16Rounding, Float64Mode
+from forkrl.core.testing import Float64Mode
 from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err
 from forkrl.core.testing.models import tiny_causal_lm as make_model
 
 from .forests import deep_tree, grpo_group
-from .test_precision import _batch, _coefs, _stock, _tree
+from .test_precision import check_follows_the_hosts_precision
 
 TOL = 1e-12
 MAMBA1 = ["mamba", "falconmamba", "jamba", "zamba"]
@@ -103,16 +103,4 @@ def test_mamba1_follows_the_hosts_precision(monkeypatch, name, precision):
     import forkrl.core.attention.split as split
 
     monkeypatch.setattr(split, "MIN_SPLIT_ELEMENTS", 0)
-    seqs, sf = _batch()
-    model = make_model(name, dtype=torch.float32)
-    if precision == "bf16":  # float32 stock on the bf16-rounded weights: compute rounding only
-        model = model.to(torch.bfloat16).float()
-    exact = _stock(model, seqs, sf, _coefs(), False)
-    if precision == "bf16":
-        model = model.to(torch.bfloat16)
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "autocast" else torch.enable_grad()
-    with ctx:
-        stock = _stock(model, seqs, sf, _coefs(), False)
-        tree = _tree(model, "replay", seqs, sf, _coefs(), False)
-    for what, i in (("log-probs", 0), ("gradient", 1)):
-        Bf16Rounding(f"{name} {precision} {what}", tree[i], stock[i], exact[i]).check_follows()
+    check_follows_the_hosts_precision(name, precision, "replay")

@@ -12,12 +12,12 @@ import torch
 
 from forkrl.core import PrefixForest, TreeExecutor, UnsupportedModelError
 from forkrl.core.executor import RouterLoss
-from forkrl.core.testing import Bf16Rounding, Float64Mode
+from forkrl.core.testing import Float64Mode
 from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err
 from forkrl.core.testing.models import tiny_causal_lm as make_model
 
 from .forests import deep_tree, grpo_group
-from .test_precision import _batch, _coefs, _stock, _tree
+from .test_precision import check_follows_the_hosts_precision
 
 TOL = 1e-12
 MLA = ["deepseekv2", "deepseekv3", "kimik2"]
@@ -108,16 +108,4 @@ def test_mla_follows_the_hosts_precision(monkeypatch, precision):
     import forkrl.core.attention.split as split
 
     monkeypatch.setattr(split, "MIN_SPLIT_ELEMENTS", 0)
-    seqs, sf = _batch()
-    model = make_model("kimik2", dtype=torch.float32)
-    if precision == "bf16":
-        model = model.to(torch.bfloat16).float()
-    exact = _stock(model, seqs, sf, _coefs(), False)
-    if precision == "bf16":
-        model = model.to(torch.bfloat16)
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "autocast" else torch.enable_grad()
-    with ctx:
-        stock = _stock(model, seqs, sf, _coefs(), False)
-        tree = _tree(model, "replay", seqs, sf, _coefs(), False)
-    for what, i in (("log-probs", 0), ("gradient", 1)):
-        Bf16Rounding(f"kimik2 {precision} {what}", tree[i], stock[i], exact[i]).check_follows()
+    check_follows_the_hosts_precision("kimik2", precision, "replay")

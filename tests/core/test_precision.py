@@ -94,16 +94,12 @@ def _coefs():
     return [torch.randn(len(s) - f, generator=g) for s, f in zip(seqs, sf, strict=True)]
 
 
-@pytest.mark.parametrize("name,precision,mode", CASES)
-def test_tree_follows_the_hosts_precision(monkeypatch, name, precision, mode):
-    """Scoring and training, every mode, split attention on (forced at these sizes), MoE router
-    loss and a hybrid: the tree in bf16 is a bf16 computation of stock's accuracy."""
-    import forkrl.core.attention.split as split
-
-    monkeypatch.setattr(split, "MIN_SPLIT_ELEMENTS", 0)
+def check_follows_the_hosts_precision(name: str, precision: str, mode: str, router: bool = False) -> None:
+    """The tree's log-probs and gradient of zoo model ``name`` under ``precision`` (``"autocast"``:
+    bf16 autocast over float32; ``"bf16"``: bf16 parameters) against stock's in that precision and
+    the float32 computation on the same (rounded) weights: ``Bf16Rounding.check_follows``."""
     seqs, sf = _batch()
     coefs = _coefs()
-    router = name == "qwen3moe"
     model = make_model(name, dtype=torch.float32)
     if precision == "bf16":  # float32 stock then runs on the bf16-rounded weights: compute rounding only
         model = model.to(torch.bfloat16).float()
@@ -115,6 +111,16 @@ def test_tree_follows_the_hosts_precision(monkeypatch, name, precision, mode):
         tree = _tree(model, mode, seqs, sf, coefs, router)
     for what, i in (("log-probs", 0), ("gradient", 1)):
         Bf16Rounding(f"{name} {precision} {mode} {what}", tree[i], stock[i], exact[i]).check_follows()
+
+
+@pytest.mark.parametrize("name,precision,mode", CASES)
+def test_tree_follows_the_hosts_precision(monkeypatch, name, precision, mode):
+    """Scoring and training, every mode, split attention on (forced at these sizes), MoE router
+    loss and a hybrid: the tree in bf16 is a bf16 computation of stock's accuracy."""
+    import forkrl.core.attention.split as split
+
+    monkeypatch.setattr(split, "MIN_SPLIT_ELEMENTS", 0)
+    check_follows_the_hosts_precision(name, precision, mode, router=name == "qwen3moe")
 
 
 def test_float32_is_unchanged_by_the_precision_work(monkeypatch):
