@@ -91,6 +91,24 @@ class Timeout(Exception):
     pass
 
 
+def _tree_backward(model, forest, coefs, mode: str, block, ctx=None):
+    """One mode's tree backward from zeroed gradients (inside ``ctx()``, if given): ``(result,
+    None)``, or ``(None, row)`` for a refusal (a crash if it left any gradient behind) or a crash."""
+    import contextlib
+
+    from forkrl.core import TreeExecutor, UnsupportedModelError
+
+    model.zero_grad(set_to_none=True)
+    try:
+        with (ctx or contextlib.nullcontext)():
+            return TreeExecutor(model, mode=mode, block_size=block).backward(forest, coefs), None
+    except UnsupportedModelError as err:
+        clean = all(p.grad is None for p in model.parameters())
+        return None, {"status": "refused" if clean else "crash", "why": str(err)[:300]}
+    except Exception as err:  # noqa: BLE001 - a crash is a result here
+        return None, {"status": "crash", "why": f"{type(err).__name__}: {str(err)[:300]}"}
+
+
 def _alarm(signum, frame):
     raise Timeout()
 
@@ -238,7 +256,7 @@ def build(model_type: str, class_name: str, dtype):
 
 
 def check(model, dtype) -> dict[str, dict]:
-    from forkrl.core import PrefixForest, TreeExecutor, UnsupportedModelError
+    from forkrl.core import PrefixForest
     from forkrl.core.testing import Float64Mode
     from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err
     from tests.core.forests import grpo_group
@@ -255,15 +273,9 @@ def check(model, dtype) -> dict[str, dict]:
         want = grads(model)
         forest = PrefixForest.build(seqs, sf)
         for mode, block in MODES:
-            model.zero_grad(set_to_none=True)
-            try:
-                res = TreeExecutor(model, mode=mode, block_size=block).backward(forest, coefs)
-            except UnsupportedModelError as err:
-                clean = all(p.grad is None for p in model.parameters())
-                out[mode] = {"status": "refused" if clean else "crash", "why": str(err)[:300]}
-                continue
-            except Exception as err:  # noqa: BLE001 - a crash is a result here
-                out[mode] = {"status": "crash", "why": f"{type(err).__name__}: {str(err)[:300]}"}
+            res, failed = _tree_backward(model, forest, coefs, mode, block)
+            if failed is not None:
+                out[mode] = failed
                 continue
             err_lp = max_rel_err(res.logprobs, [lp.detach() for lp in lps])
             err_g = max_rel_err(grads(model), want)
@@ -294,7 +306,7 @@ def check_bf16(model, weights: bool) -> dict[str, dict]:
     bf16-rounded weights, so the gap is the computation's rounding alone)."""
     import contextlib
 
-    from forkrl.core import PrefixForest, TreeExecutor, UnsupportedModelError
+    from forkrl.core import PrefixForest
     from forkrl.core.testing import Bf16Rounding
     from forkrl.core.testing.models import grads
     from tests.core.forests import deep_tree, grpo_group
@@ -316,16 +328,9 @@ def check_bf16(model, weights: bool) -> dict[str, dict]:
     forest = PrefixForest.build(seqs, sf)
     out = {}
     for mode, block in MODES:
-        model.zero_grad(set_to_none=True)
-        try:
-            with ctx():
-                res = TreeExecutor(model, mode=mode, block_size=block).backward(forest, coefs)
-        except UnsupportedModelError as err:
-            clean = all(p.grad is None for p in model.parameters())
-            out[mode] = {"status": "refused" if clean else "crash", "why": str(err)[:300]}
-            continue
-        except Exception as err:  # noqa: BLE001 - a crash is a result here
-            out[mode] = {"status": "crash", "why": f"{type(err).__name__}: {str(err)[:300]}"}
+        res, failed = _tree_backward(model, forest, coefs, mode, block, ctx)
+        if failed is not None:
+            out[mode] = failed
             continue
         tree = (_flat(res.logprobs), _flat(grads(model)))
         row: dict = {"status": "pass"}
