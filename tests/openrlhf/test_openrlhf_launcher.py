@@ -163,3 +163,6 @@ def test_the_readme_command_parses_and_passes_openrlhfs_checks(monkeypatch):
     assert args.rollout.n_samples_per_prompt == 8 and args.ds.zero_stage == 2
     assert args.algo.advantage.estimator == "group_norm" and args.algo.kl.use_loss
     assert [Path(u).is_file() for u in args.reward.remote_url] == [True]  # OpenRLHF takes a list
+    assert (
+        args.data.prompt_dataset == "openai/gsm8k@main"
+    )  # @: the dataset's folder (its config), as OpenRLHF reads it
