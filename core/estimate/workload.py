@@ -271,8 +271,8 @@ def tree_peaks(step: Step, leaf_batch_tokens: int, block_size: int) -> dict[str,
 
     keep: a tree's inner nodes stay alive while its leaves run in batches of up to
     ``leaf_batch_tokens`` tokens (the largest tree counts); packed: the whole forest in one pass;
-    replay: one ``block_size`` block (ancestors are held as keys and values without autograd:
-    ``"path"`` gives the longest path, whose cache that is).
+    replay: one ``block_size`` block (ancestors are held as keys and values without autograd; that
+    cache is priced apart, from the longest path).
     """
     keep = (0.0, 0.0)
     for tree in trees_of_forest(step.forest):
@@ -291,5 +291,4 @@ def tree_peaks(step: Step, leaf_batch_tokens: int, block_size: int) -> dict[str,
         "keep": keep,
         "packed": (whole.tokens, whole.scored),
         "replay": (float(min(block_size, longest)), float(min(block_size, longest))),
-        "path": (float(longest), 0.0),
     }
