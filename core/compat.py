@@ -629,8 +629,10 @@ def flash_cuda_backward(
 ):
     """``aten._scaled_dot_product_flash_attention_backward`` in the CPU kernel's form: ``(dq, dk, dv)``.
 
-    Dense (not varlen) inputs: the cumulative-length tensors are empty and unused, as the forward
-    returns them; without dropout the RNG state is unused too.
+    Dense (not varlen) inputs: the cumulative lengths go in undefined (None), as the dense forward
+    returns them. A defined tensor, even an empty one, selects the varlen kernel, which then refuses
+    it ("cu_seqlens_q must have dtype int32": seen on an H200, torch 2.11). Without dropout the RNG
+    state is unused.
     """
     if dropout_p:
         raise ValueError("forkrl calls the CUDA flash backward without dropout only")
@@ -642,8 +644,8 @@ def flash_cuda_backward(
         v,
         out,
         lse,
-        empty,
-        empty,
+        None,
+        None,
         q.shape[2],
         k.shape[2],
         0.0,

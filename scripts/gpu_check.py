@@ -542,15 +542,47 @@ def stage_drafter(ctx) -> dict:
     spec = SpeculativeSampler(model, drafter, SpeculationPolicy.fixed(4))
     t_plain, a = _timed(dev, lambda: plain.generate(prompts, max_new_tokens=new, temperature=0.0))
     t_spec, b = _timed(dev, lambda: spec.generate(prompts, max_new_tokens=new, temperature=0.0))
-    ref = model.generate(prompts, max_new_tokens=new, do_sample=False, min_new_tokens=new)
+    t_hf, ref = _timed(
+        dev, lambda: model.generate(prompts, max_new_tokens=new, do_sample=False, min_new_tokens=new)
+    )
     out["greedy"] = {
         "plain_equals_generate": bool(torch.equal(a.sequences[:, : ref.shape[1]], ref)),
         "speculative_equals_plain": bool(torch.equal(a.sequences, b.sequences)),
+        "first_difference": _first_difference(a.sequences, b.sequences, prompts.shape[1]),
         "plain_s": t_plain,
         "speculative_s": t_spec,
+        "hf_generate_s": t_hf,
         "acceptance": b.stats.as_metrics().get("spec/acceptance"),
     }
+    ctx.partial(out)
+    # bf16 verification scores k+1 tokens in one pass and plain decoding one at a time: a random
+    # model's near-tied logits can flip an argmax by rounding alone. In float32 (TF32 off) greedy
+    # equality is the sampler's contract, not rounding's.
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        model = model.float()
+        drafter = Drafter.from_policy(model, bits=4, group_size=32 if quick else 128)
+        plain = SpeculativeSampler(model, None, SpeculationPolicy.never())
+        spec = SpeculativeSampler(model, drafter, SpeculationPolicy.fixed(4))
+        n32 = min(new, 32)
+        a = plain.generate(prompts, max_new_tokens=n32, temperature=0.0)
+        b = spec.generate(prompts, max_new_tokens=n32, temperature=0.0)
+        out["greedy_float32"] = {
+            "speculative_equals_plain": bool(torch.equal(a.sequences, b.sequences)),
+            "first_difference": _first_difference(a.sequences, b.sequences, prompts.shape[1]),
+            "acceptance": b.stats.as_metrics().get("spec/acceptance"),
+        }
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
     return out
+
+
+def _first_difference(a, b, start: int) -> int | None:
+    """The first generated position (from 0) where two ``[B, L]`` token batches differ, or None."""
+    n = min(a.shape[1], b.shape[1])
+    diff = (a[:, start:n] != b[:, start:n]).any(0).nonzero()
+    return int(diff[0]) if len(diff) else None
 
 
 def stage_precision(ctx) -> dict:
