@@ -4,8 +4,12 @@ the option dataclasses derive working command-line flags (the form OpenRLHF's la
 from __future__ import annotations
 
 import argparse
+import re
+import tomllib
+from pathlib import Path
 
 import pytest
+import transformers
 
 from forkrl.core import TreeOptions, compat
 from forkrl.core.options import add_arguments, from_namespace
@@ -20,6 +24,18 @@ def test_private_is_where_core_expects_it(private):
         pytest.fail(
             f"{private.name} changed (checked against {compat.CHECKED}; used for: {private.why}): {err!r}"
         )
+
+
+def test_the_dev_environment_pins_the_checked_transformers():
+    """The test environment installs the transformers the privates were checked against (CI must not
+    test whatever release came out that day), and this run uses it."""
+    checked = re.search(r"transformers (\S+)", compat.CHECKED).group(1)
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert f"transformers=={checked}" in pyproject["project"]["optional-dependencies"]["dev"]
+    assert transformers.__version__ == checked, (
+        f"transformers {transformers.__version__} installed, the privates were checked against {checked}: "
+        "run `bash scripts/setup.sh test`, or move the pin and compat.CHECKED together after checking"
+    )
 
 
 def test_every_private_says_why():
