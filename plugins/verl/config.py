@@ -25,11 +25,15 @@ from verl.workers.config import FSDPActorConfig
 from forkrl.core import TreeOptions
 from forkrl.core.options import changed_fields
 
-from . import announce
+from . import announce, register
 from .balance import unsafe_reason
 from .engine import BACKEND
 
 __all__ = ["ForkrlFSDPActorConfig", "tree_options"]
+
+# Every veRL process that builds this config (the YAML's _target_) looks up the engine after it:
+# registering here finds forkrl's engine without an environment variable or an entry point.
+register()
 
 
 def tree_options(block: Any, where: str = "the forkrl block") -> TreeOptions:

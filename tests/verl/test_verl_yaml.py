@@ -35,8 +35,16 @@ def model_path(tmp_path_factory) -> str:
     return harness.save_model(tmp_path_factory.mktemp("verl-yaml-model"))
 
 
-def _compose(name: str, model: str, extra: list[str] = ()):
+def _compose(name: str, model: str, extra: list[str] = (), stock: bool = False):
+    """forkrl's YAML ``name`` as veRL's Hydra composes it; ``stock``: veRL's own ppo_trainer instead."""
     paths = [f"actor_rollout_ref.model.path={model}", f"critic.model.path={model}"]
+    if stock:
+        import verl.trainer.config
+
+        with initialize_config_dir(
+            config_dir=os.path.dirname(verl.trainer.config.__file__), version_base=None
+        ):
+            return compose(config_name="ppo_trainer", overrides=[*paths, *extra])
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         return compose(config_name=name, overrides=[*OVERRIDES, *paths, *extra])
 
@@ -56,24 +64,37 @@ def _build(cfg):
     return actor, omega_conf_to_dataclass(ref_node)
 
 
-def test_workers_load_the_users_external_modules_and_forkrl(model_path, monkeypatch):
-    """forkrl_base.yaml adds forkrl's autoload to the user's VERL_USE_EXTERNAL_MODULES (a platform or
-    reward module) instead of overwriting it; veRL imports the comma-separated list in every worker."""
+@pytest.mark.parametrize("name", ["forkrl_tree", "forkrl_long_context"])
+def test_ray_init_reaches_ray_as_veRL_passes_it(name, model_path, monkeypatch):
+    """veRL hands ``ray_kwargs.ray_init`` to Ray without resolving interpolations
+    (``OmegaConf.to_container`` in ``main_ppo.run_ppo``): forkrl's YAML must put nothing there that only
+    a resolver makes valid, and must leave the workers' ``VERL_USE_EXTERNAL_MODULES`` to the user. (An
+    earlier YAML set it through a resolver; the workers received the literal ``${...}`` and every run
+    failed at TaskRunner start, which only the end-to-end run found.)"""
     from omegaconf import OmegaConf
 
-    for user, want in [
-        (None, "forkrl.plugins.verl.autoload"),
-        ("my_platform", "my_platform,forkrl.plugins.verl.autoload"),
-        ("a.b, c", "a.b,c,forkrl.plugins.verl.autoload"),
-        ("forkrl.plugins.verl.autoload,x", "forkrl.plugins.verl.autoload,x"),
-    ]:
-        if user is None:
-            monkeypatch.delenv("VERL_USE_EXTERNAL_MODULES", raising=False)
-        else:
-            monkeypatch.setenv("VERL_USE_EXTERNAL_MODULES", user)
-        cfg = _compose("forkrl_tree", model_path)
-        env = OmegaConf.to_container(cfg.ray_kwargs.ray_init, resolve=True)["runtime_env"]["env_vars"]
-        assert env["VERL_USE_EXTERNAL_MODULES"] == want, user
+    monkeypatch.setenv("VERL_USE_EXTERNAL_MODULES", "my_platform")
+    stock = _compose(name, model_path, stock=True)
+    cfg = _compose(name, model_path)
+    as_verl_passes_it = OmegaConf.to_container(cfg.ray_kwargs.ray_init)
+    assert "${" not in repr(as_verl_passes_it)
+    assert as_verl_passes_it == OmegaConf.to_container(stock.ray_kwargs.ray_init)
+
+
+def test_the_config_class_registers_the_engine_without_plugin_discovery():
+    """A worker that builds forkrl's config from the YAML's ``_target_`` finds the engine with veRL's
+    plugin discovery off and no VERL_USE_EXTERNAL_MODULES."""
+    code = (
+        "import forkrl.plugins.verl.config\n"
+        "from verl.workers.engine.base import EngineRegistry\n"
+        "from forkrl.plugins.verl.engine import BACKEND\n"
+        "print(BACKEND in EngineRegistry._engines['language_model'])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "VERL_USE_EXTERNAL_MODULES"}
+    env.update(VERL_USE_EXTERNAL_PLUGINS="none", VERL_ENGINE_DEVICE="cuda")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "True"
 
 
 @pytest.mark.parametrize("name", ["forkrl_tree", "forkrl_long_context"])
@@ -83,10 +104,6 @@ def test_yaml_builds_forkrl_configs_and_passes_verl_validation(name, model_path)
 
     cfg = _compose(name, model_path)
     validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
-    assert (
-        cfg.ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES
-        == "forkrl.plugins.verl.autoload"
-    )
     actor, ref = _build(cfg)
     for config in (actor, ref):
         assert type(config).__name__ == "ForkrlFSDPActorConfig"
