@@ -4,6 +4,11 @@
 #   .venv-verl       the veRL plugin against real veRL               (tests/verl)
 #   .venv-openrlhf   the OpenRLHF plugin against real OpenRLHF       (tests/openrlhf)
 # Arguments go to the first run (e.g. -x, -k name). Fails when any environment's tests fail or collect nothing.
+#
+# The first runs alone: some of its tests compare measured speeds, which a busy machine skews. The
+# veRL and OpenRLHF suites then run side by side (each to its own log, printed when both are done):
+# their end-to-end runs spend half their time starting processes and importing, which leaves a core
+# idle, and none of their tests times anything.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -17,14 +22,24 @@ run() {  # run LABEL PYTHON ARGS...
     if [ "$rc" -eq 5 ]; then
         echo "scripts/test.sh: $label collected no tests: failing" >&2
     fi
-    [ "$rc" -eq 0 ] || status=1
+    return "$rc"
 }
 
 # DeepSpeed compiles a CPU op on first use (about a minute; scripts/setup.sh prebuilds it): each
 # environment keeps it in its own cache.
 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}" \
-    run "core + TRL" .venv/bin/python "$@"
-run "veRL" .venv-verl/bin/python tests/verl
+    run "core + TRL" .venv/bin/python "$@" || status=1
+
+logs="$(mktemp -d)"
+TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv-verl/torch_extensions}" \
+    run "veRL" .venv-verl/bin/python tests/verl >"$logs/verl" 2>&1 &
+verl=$!
 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv-openrlhf/torch_extensions}" \
-    run "OpenRLHF" .venv-openrlhf/bin/python tests/openrlhf
+    run "OpenRLHF" .venv-openrlhf/bin/python tests/openrlhf >"$logs/openrlhf" 2>&1 &
+openrlhf=$!
+wait "$verl" || status=1
+cat "$logs/verl"
+wait "$openrlhf" || status=1
+cat "$logs/openrlhf"
+rm -rf "$logs"
 exit "$status"

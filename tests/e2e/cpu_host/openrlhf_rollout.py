@@ -1,0 +1,167 @@
+"""Test-only: a Hugging Face ``generate`` rollout for OpenRLHF 0.11.2, standing in for vLLM on a CPU machine.
+
+OpenRLHF has no rollout without vLLM (``--vllm.num_engines 0`` still dispatches to engines), and
+vLLM cannot serve on a CPU. OpenRLHF's driver builds its engines with
+``openrlhf.trainer.ray.create_vllm_engines`` and then only calls methods on them: the
+:class:`SamplesGenerator` calls ``generate_responses`` and ``get_num_unfinished_requests``;
+OpenRLHF's own ``SingleTurnAgentExecutor`` calls back ``generate(prompt_token_ids, sampling_params)``
+and reads ``.outputs[0].token_ids / .text / .finish_reason / .logprobs`` as from a vLLM
+``RequestOutput`` (log-probs are asked for only with ``--algo.advantage.is_correction_level``: not
+supported here); sleep/wake/prefix-cache calls come with ``--vllm.enable_sleep`` and prefix caching.
+:class:`HFRolloutActor` answers each of these (Ray forbids subclassing ``RolloutRayActor``), and
+:func:`create_cpu_rollout_engines` takes ``create_vllm_engines``'s arguments. Rewards are computed by
+OpenRLHF's own executor, exactly as inside ``RolloutRayActor.generate_responses``.
+
+Weights reach it through :meth:`HFRolloutActor.load_weights` (see
+``openrlhf_patches.broadcast_through_ray``, which replaces the NCCL broadcast). It only makes
+rollouts: the training step under test, stock OpenRLHF's or forkrl's, is untouched by it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import ray
+import torch
+
+__all__ = ["HFRolloutActor", "create_cpu_rollout_engines"]
+
+
+@ray.remote
+class HFRolloutActor:
+    """A Ray actor sampling with ``model.generate`` (float32, CPU), one request at a time."""
+
+    def __init__(
+        self, pretrain: str, seed: int, agent_func_path: str | None = None, remote_rm_url: Any = None
+    ) -> None:
+        from openrlhf.utils.agent import SingleTurnAgentExecutor
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(1)
+        torch.manual_seed(seed)
+        self.model = AutoModelForCausalLM.from_pretrained(pretrain, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(pretrain)
+        if agent_func_path:  # as RolloutRayActor chooses its executor
+            from openrlhf.trainer.ray.vllm_engine import _load_agent_executor
+
+            self.executor = _load_agent_executor(agent_func_path)
+        else:
+            self.executor = SingleTurnAgentExecutor(remote_rm_url)
+
+    async def generate(
+        self, prompt_token_ids: list[int], sampling_params: Any, multi_modal_data: Any = None
+    ) -> Any:
+        """One sample for ``prompt_token_ids`` under vLLM ``sampling_params``, shaped like vLLM's
+        ``RequestOutput`` (the fields OpenRLHF's executors read)."""
+        p = sampling_params
+        if multi_modal_data or p.logprobs is not None:
+            raise NotImplementedError(
+                "the CPU rollout is text-only and returns no log-probs "
+                "(keep --algo.advantage.is_correction_level off)"
+            )
+        sample = p.temperature > 0
+        kwargs: dict[str, Any] = dict(
+            do_sample=sample, max_new_tokens=p.max_tokens, min_new_tokens=p.min_tokens or 0
+        )
+        if sample:  # vLLM's top_k <= 0 means off, as HF's top_k=0
+            kwargs.update(temperature=p.temperature, top_p=p.top_p, top_k=max(p.top_k or 0, 0))
+        ids = torch.tensor([prompt_token_ids])
+        with torch.no_grad():  # (a decorator would not cover a coroutine's body)
+            out = self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                pad_token_id=self.tokenizer.pad_token_id,
+                eos_token_id=self.tokenizer.eos_token_id,
+                **kwargs,
+            )
+        tokens = out[0, ids.shape[1] :].tolist()
+        finished = bool(tokens) and tokens[-1] == self.tokenizer.eos_token_id
+        text = self.tokenizer.decode(tokens, skip_special_tokens=p.skip_special_tokens)
+        output = SimpleNamespace(
+            token_ids=tokens, text=text, finish_reason="stop" if finished else "length", logprobs=None
+        )
+        return SimpleNamespace(prompt_token_ids=prompt_token_ids, outputs=[output])
+
+    async def generate_responses(
+        self,
+        prompt: str,
+        label: str,
+        sampling_params: Any,
+        max_length: int,
+        hf_tokenizer: Any,
+        num_samples: int = 1,
+        images: Any = None,
+    ) -> list[dict]:
+        """``num_samples`` samples for one prompt, through OpenRLHF's executor (as ``RolloutRayActor``)."""
+        tasks = [
+            self.executor.execute(
+                prompt=prompt,
+                label=label,
+                sampling_params=sampling_params,
+                max_length=max_length,
+                hf_tokenizer=hf_tokenizer,
+                llm_engine=self,
+                images=images,
+            )
+            for _ in range(num_samples)
+        ]
+        return await asyncio.gather(*tasks)
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests run one at a time and finish inside their call: none is ever pending."""
+        return 0
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy the policy's parameters (by name, any dtype) into the sampling model; all names must match."""
+        params = dict(self.model.named_parameters())
+        missing = set(params) - set(state)
+        extra = set(state) - set(params)
+        if missing or extra:
+            raise KeyError(
+                f"weight sync names differ: missing {sorted(missing)[:4]}, extra {sorted(extra)[:4]}"
+            )
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(state[name])
+
+    # vLLM memory management and prefix caching: nothing to do for an HF model.
+    async def sleep(self, level: int = 1) -> None:
+        """No-op (vLLM frees its memory here)."""
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """No-op (vLLM reloads its memory here)."""
+
+    async def reset_prefix_cache(self) -> None:
+        """No-op (no prefix cache)."""
+
+    async def pause_generation(self) -> None:
+        """No-op (requests are never left running)."""
+
+    async def resume_generation(self) -> None:
+        """No-op (requests are never left running)."""
+
+
+def create_cpu_rollout_engines(
+    num_engines: int,
+    tensor_parallel_size: int,
+    pretrain: str,
+    seed: int,
+    *args: Any,
+    agent_func_path: str | None = None,
+    remote_rm_url: Any = None,
+    max_images_per_prompt: int = 0,
+    **kwargs: Any,
+) -> list:
+    """``create_vllm_engines``'s signature: ``num_engines`` :class:`HFRolloutActor` (seeds ``seed + i``,
+    as vLLM's), holding no Ray CPU or GPU (they take turns with the trainer on the same cores).
+    The vLLM-only arguments (prefix caching, memory, placement, sleep, logprobs mode) are ignored."""
+    if tensor_parallel_size != 1 or max_images_per_prompt:
+        raise NotImplementedError("the CPU rollout is one text-only process per engine")
+    return [
+        HFRolloutActor.options(num_cpus=0, num_gpus=0).remote(
+            pretrain, seed + i, agent_func_path=agent_func_path, remote_rm_url=remote_rm_url
+        )
+        for i in range(num_engines)
+    ]

@@ -1,0 +1,149 @@
+"""OpenRLHF end to end as users launch it: a whole GRPO run through OpenRLHF's own ``train_ppo_ray``,
+with Ray actors, DeepSpeed ZeRO-2 and the reference model (KL loss), on a tiny model on the CPU.
+
+    python -m forkrl.plugins.openrlhf.train_ppo_ray <OpenRLHF's flags> --forkrl.tree_packing
+    python -m openrlhf.cli.train_ppo_ray <the same flags>                  (stock, the same harness)
+
+Each runs in its own process (its own Ray), started through ``tests/e2e/cpu_host/openrlhf_launch.py``,
+which only adds the CPU stand-ins for OpenRLHF's GPU-only parts (an HF-generate rollout for vLLM, the
+device patches of ``tests/e2e/cpu_host/openrlhf_patches.py``) and then runs the module as ``-m`` would.
+Each run must exit 0 and save (``--ckpt.output_dir``) a model whose parameters moved; the tree run must
+log ``tree/*`` in OpenRLHF's own TensorBoard log (``--logger.tensorboard_dir``) every step, the stock
+run none. The reward is the fraction of digits in the response, through OpenRLHF's custom reward file
+(``--reward.remote_url``), dense enough that every group has nonzero advantages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from forkrl.core.testing.models import byte_llama, byte_tokenizer, save_pretrained
+from forkrl.core.testing.ranks import clean_env
+from tests.e2e.launch import run_launcher
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU_HOST = ROOT / "tests" / "e2e" / "cpu_host"
+STEPS = 2
+PROMPTS_PER_STEP = 2
+
+
+def _command(model: str, prompts: Path, out: Path) -> list[str]:
+    """OpenRLHF's GRPO flags for the tiny run: 2 steps of 2 prompts x 4 samples of 8 tokens, one
+    optimizer step per training step (train batch 8 = rollout batch), KL loss against the reference."""
+    return [
+        "--actor.model_name_or_path", model, "--data.prompt_dataset", str(prompts),
+        "--data.input_key", "input", "--reward.remote_url", str(CPU_HOST / "openrlhf_reward.py"),
+        "--vllm.num_engines", "1", "--actor.num_gpus_per_node", "1", "--ref.num_gpus_per_node", "1",
+        "--rollout.batch_size", str(PROMPTS_PER_STEP), "--rollout.n_samples_per_prompt", "4",
+        "--rollout.micro_batch_size", "8", "--rollout.max_new_tokens", "8", "--data.max_len", "32",
+        "--train.micro_batch_size", "4", "--train.batch_size", "8", "--train.max_epochs", "1",
+        "--algo.advantage.estimator", "group_norm",
+        "--algo.kl.use_loss", "--algo.kl.init_coef", "1e-3", "--algo.kl.estimator", "k3",
+        "--ds.zero_stage", "2", "--ds.attn_implementation", "sdpa",
+        # a large lr, no warmup: bf16 parameters move visibly in two steps
+        "--actor.adam.lr", "1e-2", "--actor.lr_warmup_ratio", "0",
+        "--ckpt.output_dir", str(out / "final"), "--logger.tensorboard_dir", str(out / "tb"),
+    ]  # fmt: skip
+
+
+def _launch(module: str, data: dict, out: Path, *extra: str, timeout: float = 480) -> dict:
+    """Run ``python -m <module> <flags>`` on the CPU stand-ins; returns its log and wall time."""
+    cmd = [sys.executable, "-m", "tests.e2e.cpu_host.openrlhf_launch", module]
+    cmd += [*_command(data["model"], data["prompts"], out), *extra]
+    env = clean_env(
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        # DeepSpeed's CPU ops, prebuilt by scripts/setup.sh (scripts/test.sh points here too)
+        TORCH_EXTENSIONS_DIR=os.environ.get(
+            "TORCH_EXTENSIONS_DIR", str(ROOT / ".venv-openrlhf/torch_extensions")
+        ),
+        HF_HOME=str(data["hf_home"]),
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    returncode, log, seconds = run_launcher(cmd, env=env, cwd=ROOT, timeout=timeout)
+    assert returncode == 0, log[-6000:]
+    print(f"{module}: {seconds:.1f} s")
+    return {"log": log, "seconds": seconds, "out": out}
+
+
+def _scalars(tensorboard_dir: Path) -> dict[str, dict[int, float]]:
+    """Every scalar OpenRLHF logged, by tag and step, read from its TensorBoard event files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    found: dict[str, dict[int, float]] = {}
+    runs = {path.parent for path in tensorboard_dir.rglob("events.out.tfevents.*")}
+    assert runs, f"no TensorBoard log under {tensorboard_dir}"
+    for run in runs:
+        events = EventAccumulator(str(run), size_guidance={"scalars": 0})
+        events.Reload()
+        for tag in events.Tags()["scalars"]:
+            found.setdefault(tag, {}).update({e.step: e.value for e in events.Scalars(tag)})
+    return found
+
+
+def _parameters(path: str | Path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def _assert_trained(data: dict, run: dict) -> None:
+    """Every weight matrix of the saved model differs from the initial one, beyond the rounding of
+    OpenRLHF's bf16 parameters (the initial model is float32)."""
+    init = {n: p.bfloat16().float() for n, p in _parameters(data["model"]).items()}
+    final = _parameters(run["out"] / "final")
+    assert final.keys() == init.keys()
+    unchanged = [n for n, p in final.items() if p.dim() == 2 and torch.equal(p, init[n])]
+    assert not unchanged, unchanged
+    assert max((final[n] - init[n]).abs().max().item() for n in init) > 1e-3
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict:
+    """The tiny model and byte tokenizer saved to disk, and a prompt file for exactly ``STEPS`` steps."""
+    root = tmp_path_factory.mktemp("openrlhf-e2e")
+    model = save_pretrained(byte_llama(0), byte_tokenizer(), root / "model")
+    prompts = root / "prompts.jsonl"
+    rows = [{"input": f"{7 * i}+{i + 3}="} for i in range(STEPS * PROMPTS_PER_STEP)]
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return {"model": model, "prompts": prompts, "hf_home": root / "hf"}
+
+
+@pytest.fixture(scope="module")
+def tree_run(data, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("tree")
+    return _launch("forkrl.plugins.openrlhf.train_ppo_ray", data, out, "--forkrl.tree_packing")
+
+
+def test_the_tree_run_trains_and_logs_in_openrlhfs_own_log(data, tree_run):
+    _assert_trained(data, tree_run)
+    scalars = _scalars(tree_run["out"] / "tb")
+    tree = {tag: steps for tag, steps in scalars.items() if tag.startswith("train/tree/")}
+    expected = {"train/tree/compression", "train/tree/unique_tokens", "train/tree/mode"}
+    assert expected <= tree.keys(), sorted(scalars)
+    for steps in tree.values():
+        assert sorted(steps) == list(range(1, STEPS + 1))
+    assert all(v > 1.0 for v in tree["train/tree/compression"].values())  # 4 samples share each prompt
+    # the KL loss ran against the reference actor: zero at step 1 (policy == reference), then not
+    assert scalars["train/kl"][1] == 0.0 and scalars["train/kl"][STEPS] > 0.0
+    assert "Global step 2" in tree_run["log"]
+
+
+def test_stock_openrlhf_runs_through_the_same_harness(data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("stock")
+    run = _launch("openrlhf.cli.train_ppo_ray", data, out)
+    _assert_trained(data, run)
+    scalars = _scalars(out / "tb")
+    assert sorted(scalars["train/policy_loss"]) == list(range(1, STEPS + 1))
+    assert scalars["train/kl"][STEPS] > 0.0
+    assert not [tag for tag in scalars if "tree/" in tag]
+    assert "'tree/" not in run["log"]  # nor in the console's step summaries

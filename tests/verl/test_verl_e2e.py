@@ -1,0 +1,192 @@
+"""veRL end to end as users launch it: ``python -m verl.trainer.main_ppo`` with forkrl's YAML.
+
+veRL's own entry point, TaskRunner, Ray workers, TransferQueue, agent loop, reward loop, weight sync
+and checkpointing run a few GRPO steps on a tiny model; the test-only CPU stand-ins
+(:mod:`tests.e2e.cpu_host.verl_host`: a CPU platform and an HF-generate rollout in place of vLLM)
+are loaded by veRL's own ``VERL_USE_EXTERNAL_MODULES`` hook. Each run must exit 0, change the actor's
+parameters (its saved checkpoint against the initial model) and, with forkrl, log ``tree/*`` in
+veRL's own metrics (its file logger); stock veRL runs through the same harness and logs none.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from forkrl.core.testing.models import byte_llama, byte_tokenizer, save_pretrained
+from forkrl.core.testing.ranks import clean_env
+from tests.e2e.launch import run_launcher
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 2
+GROUP = 4
+PROMPTS_PER_STEP = 2
+
+
+def _hydra_dir() -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "forkrl.plugins.verl"], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    return out.stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict:
+    return build_inputs(tmp_path_factory.mktemp("verl-e2e"))
+
+
+def build_inputs(root: Path) -> dict:
+    """A tiny Llama with a byte tokenizer (and a chat template, which veRL's dataset applies), and
+    GSM8K-shaped parquet files as veRL's preprocessing scripts write them, under ``root``."""
+    import pandas as pd
+
+    tokenizer = byte_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    model = save_pretrained(byte_llama(0, max_position_embeddings=512), tokenizer, root / "model")
+    system = "You are a careful calculator. Answer with the digits of the result only. "
+    rows = [
+        {
+            "data_source": "digits",
+            "prompt": [{"role": "user", "content": f"{system}What is {a} + {b}?"}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+            "extra_info": {"index": i},
+        }
+        for i, (a, b) in enumerate([(12, 30), (7, 8), (21, 4), (5, 55), (9, 9), (40, 2)])
+    ]
+    pd.DataFrame(rows).to_parquet(root / "train.parquet")
+    pd.DataFrame(rows[:2]).to_parquet(root / "val.parquet")
+    return {"root": root, "model": model}
+
+
+def _overrides(inputs: dict, out: Path) -> list[str]:
+    root = inputs["root"]
+    return [
+        "algorithm.adv_estimator=grpo",
+        f"data.train_files={root / 'train.parquet'}",
+        f"data.val_files={root / 'val.parquet'}",
+        f"data.train_batch_size={PROMPTS_PER_STEP}",
+        "data.max_prompt_length=128",
+        "data.max_response_length=16",
+        "data.dataloader_num_workers=0",
+        f"actor_rollout_ref.model.path={inputs['model']}",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        "actor_rollout_ref.actor.strategy=fsdp2",
+        "actor_rollout_ref.ref.strategy=fsdp2",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS_PER_STEP}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={GROUP}",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.kl_loss_coef=0.01",
+        "actor_rollout_ref.actor.use_torch_compile=False",
+        "actor_rollout_ref.ref.use_torch_compile=False",
+        "actor_rollout_ref.rollout.name=hf_cpu",
+        f"actor_rollout_ref.rollout.n={GROUP}",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "actor_rollout_ref.rollout.agent.num_workers=1",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={GROUP}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={GROUP}",
+        "reward.num_workers=1",
+        f"reward.custom_reward_function.path={Path(__file__).with_name('e2e_reward.py')}",
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+        "ray_kwargs.ray_init.num_cpus=16",
+        "+ray_kwargs.ray_init.num_gpus=1",
+        "+ray_kwargs.ray_init.address=local",  # a Ray of this run's own, never a running cluster
+        "+ray_kwargs.ray_init.include_dashboard=False",
+        "trainer.n_gpus_per_node=1",
+        "trainer.nnodes=1",
+        f"trainer.total_training_steps={STEPS}",
+        "trainer.val_before_train=False",
+        "trainer.test_freq=-1",
+        f"trainer.save_freq={STEPS}",
+        f"trainer.default_local_dir={out / 'ckpt'}",
+        "trainer.resume_mode=disable",
+        "trainer.logger=[console,file]",
+        "trainer.project_name=forkrl-e2e",
+        f"trainer.experiment_name={out.name}",
+    ]
+
+
+def main_ppo(inputs: dict, out: Path, config: str | None, *extra: str) -> str:
+    """veRL's own entry point in a fresh process: ``config`` names forkrl's YAML, None runs stock veRL."""
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo"]
+    if config is not None:
+        cmd += ["--config-path", _hydra_dir(), "--config-name", config]
+    cmd += [*_overrides(inputs, out), *extra]
+    env = clean_env(
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        VERL_USE_EXTERNAL_MODULES="tests.e2e.cpu_host.verl_host",
+        VERL_PLATFORM="forkrl_cpu_ray",
+        VERL_ENGINE_DEVICE="cuda",
+        VERL_FILE_LOGGER_PATH=str(out / "metrics.jsonl"),
+        HYDRA_FULL_ERROR="1",
+        RAY_DEDUP_LOGS="0",
+        RAY_USAGE_STATS_ENABLED="0",
+        RAY_enable_worker_prestart="0",  # no idle workers started ahead of need on two cores
+    )
+    env.pop("RAY_ADDRESS", None)
+    returncode, log, seconds = run_launcher(cmd, env=env, cwd=out, timeout=600)
+    (out / "log.txt").write_text(log)
+    assert returncode == 0, f"main_ppo failed (log: {out / 'log.txt'}):\n{log[-6000:]}"
+    print(f"main_ppo {config or 'stock'}: {seconds:.1f} s")
+    return log
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def changed_parameters(inputs: dict, out: Path) -> float:
+    """Largest change of any actor parameter: veRL's saved step-``STEPS`` checkpoint (its own FSDP
+    format) against the initial model."""
+    from transformers import AutoModelForCausalLM
+
+    saved = torch.load(
+        out / "ckpt" / f"global_step_{STEPS}" / "actor" / "model_world_size_1_rank_0.pt", weights_only=False
+    )
+    initial = AutoModelForCausalLM.from_pretrained(inputs["model"]).state_dict()
+    assert set(saved) == set(initial)
+    local = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in saved.items()}
+    return max((local[k].float() - initial[k].float()).abs().max().item() for k in initial)
+
+
+def check_run(inputs: dict, out: Path, log: str, tree: bool) -> list[dict]:
+    logged = metrics(out)
+    assert [m["step"] for m in logged] == list(range(1, STEPS + 1))
+    assert changed_parameters(inputs, out) > 1e-4
+    for m in logged:
+        data = m["data"]
+        assert data["critic/score/mean"] >= 0  # the reward ran
+        tree_keys = [k for k in data if k.startswith("actor/tree/")]
+        if tree:  # veRL prefixes the actor's metrics with actor/
+            assert data["actor/tree/compression"] > 1.5, data["actor/tree/compression"]
+            assert data["actor/tree/dense_tokens"] > data["actor/tree/unique_tokens"] > 0
+        else:
+            assert not tree_keys, tree_keys
+    assert ("forkrl: veRL plugin active" in log) == tree
+    return logged
+
+
+def test_the_tree_run_trains_and_logs_tree_metrics(inputs, tmp_path):
+    log = main_ppo(inputs, tmp_path, "forkrl_tree")
+    logged = check_run(inputs, tmp_path, log, tree=True)
+    assert all(m["data"]["actor/tree/mode"] == 0 for m in logged)  # auto picks keep at this size
+
+
+def test_the_long_context_run_trains_in_replay(inputs, tmp_path):
+    log = main_ppo(inputs, tmp_path, "forkrl_long_context")
+    logged = check_run(inputs, tmp_path, log, tree=True)
+    assert all(m["data"]["actor/tree/mode"] == 1 for m in logged)
+
+
+def test_stock_verl_runs_through_the_same_harness(inputs, tmp_path):
+    log = main_ppo(inputs, tmp_path, None)
+    check_run(inputs, tmp_path, log, tree=False)
