@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import transformers
 
 from forkrl.core import TreeOptions, compat
