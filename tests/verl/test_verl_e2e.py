@@ -104,7 +104,7 @@ def _overrides(inputs: dict, out: Path) -> list[str]:
         f"trainer.total_training_steps={STEPS}",
         "trainer.val_before_train=False",
         "trainer.test_freq=-1",
-        f"trainer.save_freq={STEPS}",
+        "trainer.save_freq=1",
         f"trainer.default_local_dir={out / 'ckpt'}",
         "trainer.resume_mode=disable",
         "trainer.logger=[console,file]",
@@ -144,21 +144,26 @@ def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+def saved_actor(out: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
+    """The actor's parameters in veRL's step-``step`` checkpoint (its own FSDP format, one rank)."""
+    saved = torch.load(
+        out / "ckpt" / f"global_step_{step}" / "actor" / "model_world_size_1_rank_0.pt", weights_only=False
+    )
+    return {k: (v.to_local() if hasattr(v, "to_local") else v).float() for k, v in saved.items()}
+
+
 def changed_parameters(inputs: dict, out: Path) -> float:
-    """Largest change of any actor parameter: veRL's saved step-``STEPS`` checkpoint (its own FSDP
-    format) against the initial model."""
+    """Largest change of any actor parameter: the step-``STEPS`` checkpoint against the initial model."""
     from transformers import AutoModelForCausalLM
 
-    saved = torch.load(
-        out / "ckpt" / f"global_step_{STEPS}" / "actor" / "model_world_size_1_rank_0.pt", weights_only=False
-    )
+    saved = saved_actor(out)
     initial = AutoModelForCausalLM.from_pretrained(inputs["model"]).state_dict()
     assert set(saved) == set(initial)
-    local = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in saved.items()}
-    return max((local[k].float() - initial[k].float()).abs().max().item() for k in initial)
+    return max((saved[k] - initial[k].float()).abs().max().item() for k in initial)
 
 
 def check_run(inputs: dict, out: Path, log: str, tree: bool) -> list[dict]:
+    """The run's own logs and checkpoint: every step logged, the actor trained, tree metrics iff ``tree``."""
     logged = metrics(out)
     assert [m["step"] for m in logged] == list(range(1, STEPS + 1))
     assert changed_parameters(inputs, out) > 1e-4
@@ -175,10 +180,36 @@ def check_run(inputs: dict, out: Path, log: str, tree: bool) -> list[dict]:
     return logged
 
 
-def test_the_tree_run_trains_and_logs_tree_metrics(inputs, tmp_path):
-    log = main_ppo(inputs, tmp_path, "forkrl_tree")
-    logged = check_run(inputs, tmp_path, log, tree=True)
+@pytest.fixture(scope="module")
+def tree_run(inputs, tmp_path_factory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("tree")
+    return out, main_ppo(inputs, out, "forkrl_tree")
+
+
+def test_the_tree_run_trains_and_logs_tree_metrics(inputs, tree_run):
+    out, log = tree_run
+    logged = check_run(inputs, out, log, tree=True)
     assert all(m["data"]["actor/tree/mode"] == 0 for m in logged)  # auto picks keep at this size
+
+
+def test_resuming_from_a_checkpoint_equals_the_uninterrupted_run(inputs, tree_run, tmp_path):
+    """veRL's own resume (``resume_mode=resume_path``) from the tree run's step-1 checkpoint reaches
+    its step-2 parameters: veRL restores the optimizer, scheduler and data position, and forkrl
+    keeps no state that changes the update (the rollout stand-in samples by prompt and position)."""
+    out, _ = tree_run
+    main_ppo(
+        inputs,
+        tmp_path,
+        "forkrl_tree",
+        "trainer.resume_mode=resume_path",
+        f"trainer.resume_from_path={out / 'ckpt' / 'global_step_1'}",
+    )
+    assert [m["step"] for m in metrics(tmp_path)] == [STEPS]  # only the step after the checkpoint ran
+    resumed, uninterrupted, at_checkpoint = saved_actor(tmp_path), saved_actor(out), saved_actor(out, 1)
+    assert (
+        max((uninterrupted[k] - at_checkpoint[k]).abs().max().item() for k in resumed) > 1e-4
+    )  # step 2 moved them
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)  # bitwise
 
 
 def test_the_long_context_run_trains_in_replay(inputs, tmp_path):

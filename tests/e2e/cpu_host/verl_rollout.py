@@ -41,6 +41,9 @@ class HFServer:
         self.seed = int(config.seed) + replica_rank
         self.global_steps: int | None = None
         self.weight_syncs = 0
+        # Sampling seeds: (prompt, how often it was asked since the last weight sync). A run resumed
+        # from a checkpoint then samples what the uninterrupted run sampled at the same step.
+        self.asked: dict[tuple[int, ...], int] = {}
 
     def ready(self) -> bool:
         return True
@@ -65,6 +68,10 @@ class HFServer:
                 top_k=top_k if top_k > 0 else 0,
             )
         ids = torch.tensor([list(prompt_ids)])
+        key = tuple(int(t) for t in prompt_ids)
+        nth = self.asked.get(key, 0)
+        self.asked[key] = nth + 1
+        torch.manual_seed(hash((self.seed, key, nth)) & 0x7FFF_FFFF)  # requests run one at a time
         with torch.no_grad():
             out = self.model.generate(
                 ids,
@@ -103,6 +110,7 @@ class HFServer:
             )
         self.global_steps = global_steps
         self.weight_syncs += 1
+        self.asked.clear()
         return self.weight_syncs
 
     # The replica's control surface (vLLM's server has these): nothing to free or pause on a CPU.
