@@ -44,6 +44,7 @@ def _estimate(capsys, *argv: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.timing  # --price fit times the model on calibration shapes
 def test_a_thousand_text_prompts_with_the_examples_model(model_dir, tmp_path, capsys):
     data = _jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in _prompts(1000)])
     est = _estimate(capsys, "--model", model_dir, "--dataset", data, "-G", "8", "-R", "32", "--price", "fit")
@@ -145,6 +146,7 @@ def test_a_missing_file_and_text_without_a_tokenizer(tmp_path):
         main([*argv, _jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])])
 
 
+@pytest.mark.timing
 def test_the_predicted_speedup_holds_within_25_percent_of_measured_steps():
     """Three shapes the fit never timed: keep's predicted speedup against benchmarks.tree_training's
     measured one (dense and keep side by side, medians of three runs)."""

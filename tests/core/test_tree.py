@@ -598,6 +598,7 @@ def test_executor_matches_dense_on_random_forests(batch, block_size, seed):
 
 
 # ---------------------------------------------------------------------------------------------- timing
+@pytest.mark.timing
 def test_build_512_long_sequences_is_fast():
     g = torch.Generator().manual_seed(0)
     P, C, G, N = 2048, 2048, 16, 32
