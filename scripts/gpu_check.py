@@ -25,6 +25,8 @@ Stages (``--stages`` picks some):
                  longest prompt that fits within the stage's budget (doubling)
     drafter      int4/int8 kernel probe, drafter matmul time at batch 1-64 against bf16, exact
                  greedy equality of the speculative sampler, a rollout plain vs speculative
+    profile      dense and keep at the training shape under torch.profiler: device-busy share of
+                 the wall time, kernel launches, top ops (tables in <out>/profile_<method>.txt)
 """
 
 from __future__ import annotations
@@ -64,8 +66,10 @@ def _import_forkrl() -> str:
     return "mapped from the tree"
 
 
-class StageTimeout(Exception):
-    """A stage ran past its budget (raised between Python steps by an alarm)."""
+class StageTimeout(BaseException):
+    """A stage ran past its budget (raised between Python steps by an alarm). A BaseException, as
+    KeyboardInterrupt is: library code's ``except Exception`` must not take it for its own failure
+    (forkrl's first-use probe once read it as 'split attention disagrees' and fell back to a mask)."""
 
 
 @contextlib.contextmanager
@@ -648,6 +652,68 @@ def stage_precision(ctx) -> dict:
     return {"criterion_met": ok, "worst": worst, "packed_backend": _packed_backend(dev), "cases": out}
 
 
+def stage_profile(ctx) -> dict:
+    """Where the time goes at the training stage's shape (dense and keep): the device-busy share of
+    the wall time (low: launch- or host-bound), kernel launches, and the top ops by device time; the
+    full tables go to ``<out>/profile_<method>.txt``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.tree_training import dense_step, grpo_batch
+    from forkrl.core import PrefixForest, TreeExecutor
+
+    dev, quick = ctx.device, ctx.quick
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    P, G, R = (64, 4, 16) if quick else (8192, 16, 512)
+    model = _half_b(quick).to(dev, dtype)
+    seqs, sf, coefs = grpo_batch(P, G, R, model.config.vocab_size)
+    forest = PrefixForest.build(seqs, sf)
+    methods = {
+        "dense": lambda: dense_step(model, seqs, sf, coefs, 16384, grad=True),
+        "keep": lambda: TreeExecutor(model, mode="keep").backward(forest, coefs),
+    }
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    out: dict = {"P": P, "G": G, "R": R, "dtype": str(dtype)}
+    for name, fn in methods.items():
+        model.zero_grad(set_to_none=True)
+        fn()  # warm-up
+        model.zero_grad(set_to_none=True)
+        _sync(dev)
+        t0 = time.perf_counter()
+        with profile(activities=activities) as prof:
+            fn()
+            _sync(dev)
+        wall = time.perf_counter() - t0
+        events = prof.key_averages()
+        dev_us = lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))  # noqa: E731
+        busy = sum(dev_us(e) for e in events) / 1e6
+        launches = sum(e.count for e in events if "cudaLaunchKernel" in e.key or "LaunchKernel" in e.key)
+        top = sorted(events, key=dev_us, reverse=True)[:12]
+        out[name] = {
+            "wall_s_profiled": wall,
+            "device_busy_s": busy,
+            "device_busy_share": busy / wall if wall else None,
+            "kernel_launches": launches,
+            "top_ops": [
+                {
+                    "op": e.key[:80],
+                    "count": e.count,
+                    "device_ms": dev_us(e) / 1e3,
+                    "cpu_ms": e.self_cpu_time_total / 1e3,
+                }
+                for e in top
+            ],
+        }
+        sort = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+        try:
+            table = events.table(sort_by=sort, row_limit=40)
+        except Exception:  # noqa: BLE001 - an older torch names the column self_cuda_time_total
+            table = events.table(sort_by="self_cuda_time_total" if dev.type == "cuda" else sort, row_limit=40)
+        (ctx.report.path.parent / f"profile_{name}.txt").write_text(table)
+        ctx.partial(out)
+    return out
+
+
 STAGES = {
     "env": (stage_env, 10),
     "ops": (stage_ops, 30),
@@ -657,6 +723,7 @@ STAGES = {
     "training": (stage_training, 150),
     "long_context": (stage_long_context, 90),
     "drafter": (stage_drafter, 60),
+    "profile": (stage_profile, 150),
 }
 
 
@@ -706,7 +773,7 @@ def main() -> None:
             with _alarm(min(budget, left)):
                 result = fn(ctx)
             status = result.pop("status", "ok")
-        except Exception as err:  # noqa: BLE001 - every failure is a result of the check
+        except (Exception, StageTimeout) as err:  # noqa: BLE001 - every failure is a result of the check
             previous = report.data["stages"].get(name, {})
             result = {k: v for k, v in previous.items() if k != "status"}
             result["error"] = "".join(traceback.format_exception_only(type(err), err)).strip()[-2000:]
