@@ -103,7 +103,10 @@ class HFServer:
     def load_weights(self, state: dict[str, torch.Tensor], global_steps: int | None) -> int:
         """The policy's full weights after an update; every parameter must be covered."""
         missing, unexpected = self.model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if k not in self.model._tied_weights_keys or ()]
+        tied = (
+            getattr(self.model, "_tied_weights_keys", None) or ()
+        )  # tied copies need no weights of their own
+        missing = [k for k in missing if k not in tied]
         if missing or unexpected:
             raise KeyError(
                 f"weight sync does not match the rollout model: missing {missing}, unexpected {unexpected}"
