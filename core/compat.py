@@ -125,9 +125,16 @@ def _private(name: str, why: str) -> Callable[[Callable[[], None]], Callable[[],
 
 
 def parameter_names(fn: Callable) -> list[str]:
-    """The names of ``fn``'s parameters, in order (what a private's check compares)."""
+    """The names of ``fn``'s parameters, in order (what a private's check compares).
+
+    A module-level function that transformers wrapped into a module (5.25's hub-kernel fallback
+    wrapper for the Mamba kernels: an ``nn.Module`` instance whose ``forward`` is the function) is read
+    through its ``forward``: the arguments the callers pass are the same.
+    """
     import inspect
 
+    if isinstance(fn, nn.Module):
+        return [n for n in inspect.signature(type(fn).forward).parameters][1:]  # without self
     return list(inspect.signature(fn).parameters)
 
 

@@ -60,3 +60,20 @@ def test_flags_derived_from_the_option_dataclasses():
         from_namespace(TreeOptions, bad, prefix="forkrl.")
     help_text = parser.format_help()
     assert "--forkrl.tree_mode {auto,keep,replay,packed}" in help_text and "Block size in tokens" in help_text
+
+
+def test_parameter_names_read_through_a_function_wrapped_in_a_module():
+    """transformers 5.25 wraps kernel functions (the Mamba steps and scans) into modules whose
+    ``forward`` is the function: the checks compare the arguments callers pass, the same as before."""
+    import torch
+
+    class Wrapped(torch.nn.Module):
+        def forward(self, state, hidden_states, dt=None, **kwargs):
+            return state
+
+    def plain(state, hidden_states, dt=None, **kwargs):
+        return state
+
+    assert compat.parameter_names(Wrapped()) == compat.parameter_names(plain) == [
+        "state", "hidden_states", "dt", "kwargs"
+    ]  # fmt: skip
