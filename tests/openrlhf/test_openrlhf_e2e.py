@@ -11,12 +11,17 @@ Each run must exit 0 and save (``--ckpt.output_dir``) a model whose parameters m
 log ``tree/*`` in OpenRLHF's own TensorBoard log (``--logger.tensorboard_dir``) every step, the stock
 run none. The reward is the fraction of digits in the response, through OpenRLHF's custom reward file
 (``--reward.remote_url``), dense enough that every group has nonzero advantages.
+
+The tree run also saves OpenRLHF's own training checkpoint every step (``--ckpt.save_steps``), and a
+third run resumes from its step-1 checkpoint (``--ckpt.load_enable``) and must end where it ended.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -67,6 +72,7 @@ def _launch(module: str, data: dict, out: Path, *extra: str, timeout: float = 48
         HF_HUB_OFFLINE="1",
         HF_DATASETS_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
+        RAY_DEDUP_LOGS="0",  # every line of the CPU rollout's, as printed (read by the resume test)
     )
     returncode, log, seconds = run_launcher(cmd, env=env, cwd=ROOT, timeout=timeout)
     assert returncode == 0, log[-6000:]
@@ -118,10 +124,20 @@ def data(tmp_path_factory) -> dict:
     return {"model": model, "prompts": prompts, "hf_home": root / "hf"}
 
 
+def _rollouts(log: str) -> list[tuple[str, int]]:
+    """The CPU rollout's requests in the order it served them: (prompt, weight load it sampled from)."""
+    return [
+        (m[1], int(m[2])) for m in re.finditer(r"cpu rollout: \d+ samples of '(.*?)' from load #(\d+)", log)
+    ]
+
+
 @pytest.fixture(scope="module")
 def tree_run(data, tmp_path_factory) -> dict:
+    """The forkrl run; it saves OpenRLHF's training checkpoint (DeepSpeed's, and a HF copy of the
+    model) after each step, for the resume test."""
     out = tmp_path_factory.mktemp("tree")
-    return _launch("forkrl.plugins.openrlhf.train_ppo_ray", data, out, "--forkrl.tree_packing")
+    ckpt = ["--ckpt.save_steps", "1", "--ckpt.path", str(out / "ckpt"), "--ckpt.save_hf"]
+    return _launch("forkrl.plugins.openrlhf.train_ppo_ray", data, out, "--forkrl.tree_packing", *ckpt)
 
 
 def test_the_tree_run_trains_and_logs_in_openrlhfs_own_log(data, tree_run):
@@ -147,3 +163,56 @@ def test_stock_openrlhf_runs_through_the_same_harness(data, tmp_path_factory):
     assert scalars["train/kl"][STEPS] > 0.0
     assert not [tag for tag in scalars if "tree/" in tag]
     assert "'tree/" not in run["log"]  # nor in the console's step summaries
+
+
+def test_resuming_from_a_checkpoint_equals_the_uninterrupted_run(data, tree_run, tmp_path_factory):
+    """forkrl resumed through OpenRLHF's own checkpointing reaches the uninterrupted run's parameters.
+
+    The resumed run loads the tree run's step-1 checkpoint (``--ckpt.load_enable`` loads the newest
+    tag under ``--ckpt.path``, so only that step is copied there): the DeepSpeed engine's parameters,
+    fp32 master weights, Adam moments and LR schedule, and OpenRLHF's client state (global step,
+    consumed prompts, the prompt loader's state). OpenRLHF then syncs those weights to the rollout
+    before it generates, and continues the prompt order. forkrl keeps no state that changes the update:
+    the tree is rebuilt from each step's rows, and its cost model only balances rows between ranks
+    (one rank here). The CPU rollout samples from the weights and prompts alone (see
+    ``openrlhf_rollout``), so step 2 sees the same rollouts in both runs.
+
+    One thing the checkpoint does not restore: the policy actor's torch RNG, from which ``ppo_train``
+    shuffles the replay buffer, so the resumed step 2 shuffles its rows as the uninterrupted step 1 did
+    (measured: [0, 2, 6, 4, 3, 7, 1, 5] against [0, 7, 4, 2, 5, 6, 1, 3]). forkrl trains the optimizer
+    step's rows as one forest built from the sorted rows, so the order leaves no trace: the parameters
+    are bitwise equal.
+    """
+    saved = tree_run["out"] / "ckpt"
+    assert (saved / "_actor" / "latest").read_text().strip() == f"global_step{STEPS}"
+    out = tmp_path_factory.mktemp("resumed")
+    shutil.copytree(saved / "_actor" / "global_step1", out / "ckpt" / "_actor" / "global_step1")
+    (out / "ckpt" / "_actor" / "latest").write_text("global_step1")
+    resumed = _launch(
+        "forkrl.plugins.openrlhf.train_ppo_ray",
+        data,
+        out,
+        "--forkrl.tree_packing",
+        "--ckpt.path",
+        str(out / "ckpt"),
+        "--ckpt.load_enable",
+    )
+
+    # only step 2 ran, on the prompts the uninterrupted run's step 2 had, from the step-1 weights
+    # (load #1: the sync after loading the checkpoint came before any generation)
+    assert "Global step 1:" not in resumed["log"] and "Global step 2:" in resumed["log"]
+    scalars = _scalars(out / "tb")
+    assert sorted(scalars["train/policy_loss"]) == [STEPS]
+    uninterrupted = _rollouts(tree_run["log"])
+    assert [n for _, n in uninterrupted] == [0] * PROMPTS_PER_STEP + [1] * PROMPTS_PER_STEP
+    assert _rollouts(resumed["log"]) == uninterrupted[PROMPTS_PER_STEP:]
+
+    step1 = _parameters(saved / "global_step1_hf")
+    final = _parameters(tree_run["out"] / "final")
+    again = _parameters(out / "final")
+    assert again.keys() == final.keys() == step1.keys()
+    assert max((final[n] - step1[n]).abs().max().item() for n in final) > 1e-3  # step 2 moved them
+    differ = {
+        n: (again[n] - final[n]).abs().max().item() for n in final if not torch.equal(again[n], final[n])
+    }
+    assert not differ, differ

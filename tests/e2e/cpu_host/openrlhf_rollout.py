@@ -15,11 +15,20 @@ OpenRLHF's own executor, exactly as inside ``RolloutRayActor.generate_responses`
 Weights reach it through :meth:`HFRolloutActor.load_weights` (see
 ``openrlhf_patches.broadcast_through_ray``, which replaces the NCCL broadcast). It only makes
 rollouts: the training step under test, stock OpenRLHF's or forkrl's, is untouched by it.
+
+Its rollouts are a function of the weights and the prompts alone, so that a run resumed from a
+checkpoint samples what the uninterrupted run sampled: each sample draws from its own seed (the
+engine's seed, the prompt's tokens, and how often that prompt was asked since the last weight load),
+not from one stream shared by whatever ran before; and requests run one at a time in the order they
+were sent (a synchronous Ray actor), so OpenRLHF collects the prompts' results in one order.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
+from collections.abc import Awaitable
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,9 +38,19 @@ import torch
 __all__ = ["HFRolloutActor", "create_cpu_rollout_engines"]
 
 
+async def _ready(value: Any) -> Any:
+    """``value``, awaitable: what the executor awaits from ``generate``, computed before it awaits."""
+    return value
+
+
 @ray.remote
 class HFRolloutActor:
-    """A Ray actor sampling with ``model.generate`` (float32, CPU), one request at a time."""
+    """A Ray actor sampling with ``model.generate`` (float32, CPU), one request at a time.
+
+    Synchronous (no ``async def`` method): Ray runs a synchronous actor's calls one at a time, each
+    caller's in the order it sent them. An async actor would interleave two prompts' requests around
+    the executor's reward threads, and OpenRLHF takes the prompts' results in the order they finish.
+    """
 
     def __init__(
         self, pretrain: str, seed: int, agent_func_path: str | None = None, remote_rm_url: Any = None
@@ -40,7 +59,9 @@ class HFRolloutActor:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch.set_num_threads(1)
-        torch.manual_seed(seed)
+        self.seed = seed
+        self.asked: Counter[tuple[int, ...]] = Counter()  # requests per prompt since the last load
+        self.loads = 0
         self.model = AutoModelForCausalLM.from_pretrained(pretrain, dtype=torch.float32).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(pretrain)
         if agent_func_path:  # as RolloutRayActor chooses its executor
@@ -50,11 +71,17 @@ class HFRolloutActor:
         else:
             self.executor = SingleTurnAgentExecutor(remote_rm_url)
 
-    async def generate(
+    def generate(
         self, prompt_token_ids: list[int], sampling_params: Any, multi_modal_data: Any = None
-    ) -> Any:
+    ) -> Awaitable[Any]:
         """One sample for ``prompt_token_ids`` under vLLM ``sampling_params``, shaped like vLLM's
-        ``RequestOutput`` (the fields OpenRLHF's executors read)."""
+        ``RequestOutput`` (the fields OpenRLHF's executors read), for the executor to await.
+
+        Sampled here, in the call, from the seed ``hash((seed, prompt tokens, n))`` for the prompt's
+        ``n``-th request since the last :meth:`load_weights` (a tuple of ints hashes the same in
+        every process): the same weights and prompts give the same samples in any run. Not a
+        coroutine function, which would make Ray run the actor as an async one.
+        """
         p = sampling_params
         if multi_modal_data or p.logprobs is not None:
             raise NotImplementedError(
@@ -67,8 +94,11 @@ class HFRolloutActor:
         )
         if sample:  # vLLM's top_k <= 0 means off, as HF's top_k=0
             kwargs.update(temperature=p.temperature, top_p=p.top_p, top_k=max(p.top_k or 0, 0))
+        key = tuple(prompt_token_ids)
+        torch.manual_seed(hash((self.seed, key, self.asked[key])) & 0x7FFFFFFF)
+        self.asked[key] += 1
         ids = torch.tensor([prompt_token_ids])
-        with torch.no_grad():  # (a decorator would not cover a coroutine's body)
+        with torch.no_grad():
             out = self.model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
@@ -82,9 +112,9 @@ class HFRolloutActor:
         output = SimpleNamespace(
             token_ids=tokens, text=text, finish_reason="stop" if finished else "length", logprobs=None
         )
-        return SimpleNamespace(prompt_token_ids=prompt_token_ids, outputs=[output])
+        return _ready(SimpleNamespace(prompt_token_ids=prompt_token_ids, outputs=[output]))
 
-    async def generate_responses(
+    def generate_responses(
         self,
         prompt: str,
         label: str,
@@ -94,7 +124,28 @@ class HFRolloutActor:
         num_samples: int = 1,
         images: Any = None,
     ) -> list[dict]:
-        """``num_samples`` samples for one prompt, through OpenRLHF's executor (as ``RolloutRayActor``)."""
+        """``num_samples`` samples for one prompt, through OpenRLHF's executor (as ``RolloutRayActor``),
+        sampled in order (the executor's tasks reach :meth:`generate` in the order they were made).
+
+        Prints which weight load it samples from (``load #0`` is the initial model), for tests.
+        """
+        print(f"cpu rollout: {num_samples} samples of {prompt!r} from load #{self.loads}", flush=True)
+        responses = self._responses(
+            prompt, label, sampling_params, max_length, hf_tokenizer, num_samples, images
+        )
+        with ThreadPoolExecutor(1) as thread:  # a loop of its own: Ray's worker thread may run one
+            return thread.submit(asyncio.run, responses).result()
+
+    async def _responses(
+        self,
+        prompt: str,
+        label: str,
+        sampling_params: Any,
+        max_length: int,
+        hf_tokenizer: Any,
+        num_samples: int,
+        images: Any,
+    ) -> list[dict]:
         tasks = [
             self.executor.execute(
                 prompt=prompt,
@@ -114,7 +165,8 @@ class HFRolloutActor:
         return 0
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy the policy's parameters (by name, any dtype) into the sampling model; all names must match."""
+        """Copy the policy's parameters (by name, any dtype) into the sampling model; all names must match.
+        Restarts the per-prompt request counts that seed the samples."""
         params = dict(self.model.named_parameters())
         missing = set(params) - set(state)
         extra = set(state) - set(params)
@@ -125,21 +177,23 @@ class HFRolloutActor:
         with torch.no_grad():
             for name, param in params.items():
                 param.copy_(state[name])
+        self.asked.clear()
+        self.loads += 1
 
     # vLLM memory management and prefix caching: nothing to do for an HF model.
-    async def sleep(self, level: int = 1) -> None:
+    def sleep(self, level: int = 1) -> None:
         """No-op (vLLM frees its memory here)."""
 
-    async def wake_up(self, tags: list[str] | None = None) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> None:
         """No-op (vLLM reloads its memory here)."""
 
-    async def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self) -> None:
         """No-op (no prefix cache)."""
 
-    async def pause_generation(self) -> None:
+    def pause_generation(self) -> None:
         """No-op (requests are never left running)."""
 
-    async def resume_generation(self) -> None:
+    def resume_generation(self) -> None:
         """No-op (requests are never left running)."""
 
 
