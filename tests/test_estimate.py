@@ -149,9 +149,9 @@ def test_a_missing_file_and_text_without_a_tokenizer(tmp_path):
 @pytest.mark.timing
 def test_the_predicted_speedup_holds_within_25_percent_of_measured_steps():
     """Three shapes the fit never timed: keep's predicted speedup against benchmarks.tree_training's
-    measured one (dense and keep side by side, medians of three runs)."""
+    measured one (dense and keep side by side, the mean of two runs each)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.estimate_check"],
+        [sys.executable, "-m", "benchmarks.estimate_check", "--repeat", "2"],  # CI time; worst seen 12%
         capture_output=True,
         text=True,
         cwd=ROOT,
