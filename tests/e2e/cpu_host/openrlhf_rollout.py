@@ -131,33 +131,19 @@ class HFRolloutActor:
         """
         print(f"cpu rollout: {num_samples} samples of {prompt!r} from load #{self.loads}", flush=True)
         responses = self._responses(
-            prompt, label, sampling_params, max_length, hf_tokenizer, num_samples, images
+            num_samples,
+            prompt=prompt,
+            label=label,
+            sampling_params=sampling_params,
+            max_length=max_length,
+            hf_tokenizer=hf_tokenizer,
+            images=images,
         )
         with ThreadPoolExecutor(1) as thread:  # a loop of its own: Ray's worker thread may run one
             return thread.submit(asyncio.run, responses).result()
 
-    async def _responses(
-        self,
-        prompt: str,
-        label: str,
-        sampling_params: Any,
-        max_length: int,
-        hf_tokenizer: Any,
-        num_samples: int,
-        images: Any,
-    ) -> list[dict]:
-        tasks = [
-            self.executor.execute(
-                prompt=prompt,
-                label=label,
-                sampling_params=sampling_params,
-                max_length=max_length,
-                hf_tokenizer=hf_tokenizer,
-                llm_engine=self,
-                images=images,
-            )
-            for _ in range(num_samples)
-        ]
+    async def _responses(self, num_samples: int, **execute: Any) -> list[dict]:
+        tasks = [self.executor.execute(llm_engine=self, **execute) for _ in range(num_samples)]
         return await asyncio.gather(*tasks)
 
     def get_num_unfinished_requests(self) -> int:
