@@ -2,11 +2,12 @@
 
 Every rank passes the rows it holds (any picklable records: a host keeps its per-row tensors in
 them) and a function giving a row's token sequence; :func:`rebalance` gathers all ranks' rows,
-plans with :func:`~forkrl.core.balance.balance` (the same plan on every rank: same input, same
-deterministic algorithm) and returns the rows this rank trains. The host then collates them into
-its own micro-batches; the update is unchanged wherever its loss normalisation does not depend on
-which rows share a rank or micro-batch (per-row terms with equal rows per micro-batch, or global
-token counts), which the host checks before switching balancing on.
+plans with :func:`~forkrl.core.balance.balance` on the group's first rank, sends the plan to the
+others (each rank's own fitted cost model agrees only up to rounding) and returns the rows this
+rank trains. The host then collates them into its own micro-batches; the update is unchanged
+wherever its loss normalisation does not depend on which rows share a rank or micro-batch (per-row
+terms with equal rows per micro-batch, or global token counts), which the host checks before
+switching balancing on.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def rebalance(
     Args:
         rows: this rank's rows (with ``equal_rows``, every rank must hold the same number).
         sequence: a row's ``(tokens, score_from)``: what the balancer prices.
-        model: the cost model (default: one unit per token).
+        model: the cost model (default: one unit per token); only the group's first rank's is used.
         group: the data-parallel process group (default: the world).
         equal_rows: every rank keeps its number of rows (hosts whose ranks must hold equal row
             counts); False: any number per rank, at least one (hosts whose loss normalisation and
@@ -106,24 +107,47 @@ def rebalance(
             "tree_balance='off', or make the per-rank batch sizes equal"
         )
     flat = [row for part in gathered for row in part]
-    seqs = [sequence(row) for row in flat]
-    trees = trees_of_forest(PrefixForest.build([s for s, _ in seqs], [f for _, f in seqs]))
     starts = [sum(counts[:r]) for r in range(world)]
     original = [list(range(starts[r], starts[r] + counts[r])) for r in range(world)]
+    # The plan is made on the group's first rank and sent to the others: a cost model fitted on each
+    # rank agrees only up to rounding (LAPACK's least squares differs in its last bits between
+    # processes), and a near-tie would then split the ranks' plans: rows trained twice or never.
+    decision = [_plan(flat, sequence, original, model, world, equal_rows, min_rows) if rank == 0 else None]
+    dist.broadcast_object_list(
+        decision, src=0 if group is None else dist.get_global_rank(group, 0), group=group
+    )
+    ranks, predicted_before, predicted_after, lower_bound = decision[0]
     home = {s: r for r, ids in enumerate(original) for s in ids}
+    where = {s: r for r, ids in enumerate(ranks) for s in ids}
+    moved = sum(1 for s in range(len(flat)) if where[s] != home[s])
+    return Rebalanced(
+        rows=[flat[s] for s in ranks[rank]],
+        moved=moved,
+        predicted_before=predicted_before,
+        predicted_after=predicted_after,
+        lower_bound=lower_bound,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _plan(
+    flat: Sequence[R],
+    sequence: Callable[[R], tuple[list[int], int]],
+    original: list[list[int]],
+    model: CostModel | None,
+    world: int,
+    equal_rows: bool,
+    min_rows: int,
+) -> tuple[list[list[int]], float, float, float]:
+    """The step's plan over all ranks' rows (``flat``, in rank order; ``original[r]``: rank ``r``'s
+    ids): each rank's ids, the slowest rank's predicted cost before and after, the lower bound."""
+    seqs = [sequence(row) for row in flat]
+    trees = trees_of_forest(PrefixForest.build([s for s, _ in seqs], [f for _, f in seqs]))
+    counts = [len(ids) for ids in original]
     before = evaluate(trees, original, model)
     plan = balance(trees, world, model, rows_per_rank=counts[0] if equal_rows else None)
     if not equal_rows and any(len(ids) < max(min_rows, 1) for ids in plan.ranks):
         plan = balance(trees, world, model, rows_per_rank=counts[0]) if len(set(counts)) == 1 else before
     if plan.makespan >= before.makespan:  # nothing to gain: keep the rows where they are
         plan = before
-    where = {s: r for r, ids in enumerate(plan.ranks) for s in ids}
-    moved = sum(1 for s in range(len(flat)) if where[s] != home[s])
-    return Rebalanced(
-        rows=[flat[s] for s in plan.ranks[rank]],
-        moved=moved,
-        predicted_before=before.makespan,
-        predicted_after=plan.makespan,
-        lower_bound=plan.lower_bound,
-        seconds=time.perf_counter() - start,
-    )
+    return [list(ids) for ids in plan.ranks], before.makespan, plan.makespan, plan.lower_bound
