@@ -12,9 +12,11 @@ step and against seconds) and prints a table, then one line of JSON.
 
     .venv/bin/python -m benchmarks.learning_curve --host trl                 # about 2 minutes
     .venv/bin/python -m benchmarks.learning_curve --host trl --steps 80 --doc-len 2048
+    .venv-verl/bin/python -m benchmarks.learning_curve --host verl
+    .venv-openrlhf/bin/python -m benchmarks.learning_curve --host openrlhf
 
-Only ``--host trl`` runs here: a veRL or OpenRLHF curve needs a whole run through the host's
-launcher on this machine (issue 26's CPU host harness).
+``--host verl|openrlhf`` runs whole runs through the host's own launcher on the end-to-end tests'
+CPU harness, each in the host's environment (:mod:`benchmarks.learning_curve_hosts`).
 """
 
 from __future__ import annotations
@@ -113,32 +115,31 @@ def plot(curves: dict[str, tuple[list[float], list[float]]], path: Path, title: 
     fig.savefig(path)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--host", choices=["trl"], default="trl")
-    ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--doc-len", type=int, default=1024, help="tokens of the shared document")
-    ap.add_argument("--prompts", type=int, default=2, help="prompts per optimizer step")
-    ap.add_argument("--group", type=int, default=8, help="G")
-    ap.add_argument("--max-new", type=int, default=12)
-    ap.add_argument("--lr", type=float, default=2e-2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--plot", default=str(RESULTS / "learning_curve_trl.png"), help="PNG path ('' for none)")
-    args = ap.parse_args()
+def _run_trl(args, tmp: Path) -> dict:
+    """Stock ``trl.GRPOTrainer`` and forkrl's ``tree_packing``, one after the other in this process."""
     args.device, args.bf16 = "cpu", False
     ex = _example()
     ex.quiet_libraries()
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        model_path = ex.tiny_model(tmp / "model", args.seed)
-        train_set = ex.dataset(args.prompts * args.steps, args.doc_len, args.seed)
-        runs = {}
-        for name, tree in (("stock TRL", False), ("forkrl tree_packing", True)):
-            runs[name] = _curve(ex, args, model_path, tmp / name, tree, train_set)
-        probe = [train_set[i]["prompt"] for i in range(4)]
-        greedy = {name: _greedy(run[0], probe, args.max_new) for name, run in runs.items()}
-    (_, s_rew, s_sec, s_roll), (_, t_rew, t_sec, t_roll) = runs["stock TRL"], runs["forkrl tree_packing"]
-    same = [a == b for a, b in zip(s_roll, t_roll, strict=False)]
+    model_path = ex.tiny_model(tmp / "model", args.seed)
+    train_set = ex.dataset(args.prompts * args.steps, args.doc_len, args.seed)
+    runs, trainers = {}, {}
+    for name, tree in (("stock TRL", False), ("forkrl tree_packing", True)):
+        trainer, rewards, seconds, rollouts = _curve(ex, args, model_path, tmp / name, tree, train_set)
+        trainers[name] = trainer
+        runs[name] = {"rewards": rewards, "seconds": seconds, "rollouts": dict(enumerate(rollouts))}
+    probe = [train_set[i]["prompt"] for i in range(4)]
+    for name, trainer in trainers.items():
+        runs[name]["greedy"] = _greedy(trainer, probe, args.max_new)
+    return runs
+
+
+def report(args, runs: dict[str, dict], title: str) -> dict:
+    """Table, summary and plot of two runs (stock first): per step the rewards and seconds, whether
+    the step's rollouts were the same; the time to 90% of stock's final reward."""
+    (s_name, stock), (t_name, tree), *control = runs.items()
+    s_rew, t_rew, s_sec, t_sec = stock["rewards"], tree["rewards"], stock["seconds"], tree["seconds"]
+    steps = sorted(set(stock["rollouts"]) & set(tree["rollouts"]))
+    same = [stock["rollouts"][k] == tree["rollouts"][k] for k in steps][: len(s_rew)]
     first_diff = same.index(False) + 1 if False in same else None
     target = 0.9 * statistics.mean(s_rew[-5:])
     ts, tt = _time_to(s_rew, s_sec, target), _time_to(t_rew, t_sec, target)
@@ -157,34 +158,97 @@ def main() -> None:
         "max_reward_gap_while_identical": max(
             (abs(r["stock_reward"] - r["tree_reward"]) for r in rows if r["same_rollouts"]), default=0.0
         ),
+        "max_reward_gap": max(abs(r["stock_reward"] - r["tree_reward"]) for r in rows),
         "final_reward": {"stock": statistics.mean(s_rew[-5:]), "tree": statistics.mean(t_rew[-5:])},
         "target_reward": target,
         "seconds_to_target": {"stock": ts, "tree": tt},
         "time_to_reward_ratio": ts / tt if ts and tt else None,
         "wall_clock_ratio": s_sec[-1] / t_sec[-1],
-        "greedy_agree": greedy["stock TRL"] == greedy["forkrl tree_packing"],
+        "greedy_agree": stock["greedy"] == tree["greedy"],
+        "mean_reward_gap": statistics.mean(abs(r["stock_reward"] - r["tree_reward"]) for r in rows),
     }
+    for c_name, c in control:  # stock again, its update changed only by rounding: the noise floor
+        c_same = [stock["rollouts"].get(k) == c["rollouts"].get(k) for k in steps][: len(s_rew)]
+        gaps = [abs(a - b) for a, b in zip(s_rew, c["rewards"], strict=False)]
+        summary["control"] = {
+            "name": c_name,
+            "first_step_rollouts_differ": c_same.index(False) + 1 if False in c_same else None,
+            "max_reward_gap": max(gaps),
+            "mean_reward_gap": statistics.mean(gaps),
+            "final_reward": statistics.mean(c["rewards"][-5:]),
+            "seconds_to_target": _time_to(c["rewards"], c["seconds"], target),
+            "greedy_agree_with_stock": c["greedy"] == stock["greedy"],
+        }
     for key, value in summary.items():
         print(f"{key}: {value}")
+    m = machine()
+    curves = {s_name: (s_rew, s_sec), t_name: (t_rew, t_sec)}
+    curves.update({name: (c["rewards"], c["seconds"]) for name, c in control})
+    title = f"{title}, G={args.group}, {args.prompts} prompts/step, seed {args.seed}; {m['cpu']} CPU, {m['threads']} threads"
     if args.plot:
-        m = machine()
-        plot(
-            {"stock TRL": (s_rew, s_sec), "forkrl tree_packing": (t_rew, t_sec)},
-            Path(args.plot),
-            f"TRL GRPO, tiny Llama, shared document {args.doc_len} tokens, G={args.group}, "
-            f"{args.prompts} prompts/step, seed {args.seed}; {m['cpu']} CPU, {m['threads']} threads",
-        )
-    print(
-        json.dumps(
-            {
-                "benchmark": "learning_curve",
-                "machine": machine(),
-                "args": vars(args),
-                "summary": summary,
-                "rows": rows,
-            }
-        )
+        try:
+            plot(curves, Path(args.plot), title)
+        except ImportError:  # the veRL and OpenRLHF environments have no matplotlib
+            print(
+                "no plot: matplotlib is not installed here; plot the JSON line below with "
+                f"`.venv/bin/python -m benchmarks.learning_curve --replot FILE --plot {args.plot}`"
+            )
+    return {"summary": summary, "rows": rows, "curves": curves, "title": title}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--host", choices=["trl", "verl", "openrlhf"], default="trl")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--doc-len", type=int, default=1024, help="tokens of the shared document (TRL)")
+    ap.add_argument("--prompts", type=int, default=2, help="prompts per optimizer step")
+    ap.add_argument("--group", type=int, default=8, help="G")
+    ap.add_argument("--max-new", type=int, default=12)
+    ap.add_argument("--lr", type=float, default=None, help="default: 2e-2 (TRL), 1e-2 (veRL, OpenRLHF)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--plot", default=None, help="PNG path ('' for none; default results/learning_curve_<host>.png)"
     )
+    ap.add_argument("--replot", default=None, help="a JSON line this benchmark printed: only draw its plot")
+    ap.add_argument(
+        "--workdir", default=None, help="keep the runs' files here (default: a temporary directory)"
+    )
+    args = ap.parse_args()
+    if args.replot:
+        record = json.loads(Path(args.replot).read_text().strip().splitlines()[-1])
+        plot(
+            {k: tuple(v) for k, v in record["curves"].items()},
+            Path(args.plot or RESULTS / f"learning_curve_{record['host']}.png"),
+            record["title"],
+        )
+        return
+    if args.lr is None:
+        args.lr = 2e-2 if args.host == "trl" else 1e-2
+    if args.plot is None:
+        args.plot = str(RESULTS / f"learning_curve_{args.host}.png")
+    titles = {
+        "trl": f"TRL GRPO, tiny Llama, shared document {args.doc_len} tokens",
+        "verl": "veRL main_ppo GRPO (FSDP2, KL loss), tiny Llama, shared document",
+        "openrlhf": "OpenRLHF train_ppo_ray GRPO (ZeRO-2, KL loss), tiny Llama, shared document",
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.workdir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        if args.host == "trl":
+            runs = _run_trl(args, work)
+        else:
+            from benchmarks.learning_curve_hosts import HOSTS
+
+            runs = HOSTS[args.host](args, work)
+    out = report(args, runs, titles[args.host])
+    record = {
+        "benchmark": "learning_curve",
+        "host": args.host,
+        "machine": machine(),
+        "args": vars(args),
+        **out,
+    }
+    print(json.dumps(record))
 
 
 if __name__ == "__main__":

@@ -110,3 +110,38 @@ def test_learning_curve_benchmark():
     assert len(res["rows"]) == 2 and s["greedy_agree"] in (True, False)
     # Same seed, same weights: the first step's rollouts are TRL's own sampling in both runs.
     assert res["rows"][0]["same_rollouts"] and s["identical_steps"] >= 1
+
+
+def test_learning_curve_report_compares_against_the_rounding_control(tmp_path, capsys):
+    """The hosts' report (``--host verl|openrlhf``, whose runs need the hosts' launchers): the gap
+    between stock and tree, and the control's (stock changed by rounding alone) beside it; the
+    printed JSON line replots without rerunning."""
+    from types import SimpleNamespace
+
+    from benchmarks.learning_curve import main, report
+
+    def run(rewards, rollouts, greedy):
+        return {"rewards": rewards, "seconds": [2.0 * (k + 1) for k in range(len(rewards))],
+                "rollouts": dict(enumerate(rollouts)), "greedy": greedy}  # fmt: skip
+
+    runs = {
+        "stock": run([0.1, 0.2, 0.5, 0.6, 0.6, 0.6], ["a", "b", "c", "d", "e", "f"], [[1, 2]]),
+        "tree": run([0.1, 0.2, 0.4, 0.6, 0.6, 0.6], ["a", "b", "x", "d", "e", "f"], [[1, 2]]),
+        "control": run([0.1, 0.3, 0.5, 0.6, 0.6, 0.6], ["a", "y", "c", "d", "e", "f"], [[1, 3]]),
+    }
+    runs["tree"]["seconds"] = [1.0 * (k + 1) for k in range(6)]
+    args = SimpleNamespace(group=8, prompts=2, seed=0, plot="")
+    out = report(args, runs, "title")
+    s = out["summary"]
+    assert s["first_step_rollouts_differ"] == 3 and s["identical_steps"] == 2
+    assert s["max_reward_gap"] == pytest.approx(0.1) and s["max_reward_gap_while_identical"] == 0.0
+    assert s["time_to_reward_ratio"] == pytest.approx(2.0) and s["greedy_agree"]
+    c = s["control"]
+    assert c["first_step_rollouts_differ"] == 2 and c["max_reward_gap"] == pytest.approx(0.1)
+    assert not c["greedy_agree_with_stock"]
+    record = tmp_path / "curve.json"
+    record.write_text(json.dumps({"host": "verl", **out}))
+    png = tmp_path / "curve.png"
+    sys.argv = ["learning_curve", "--replot", str(record), "--plot", str(png)]
+    main()
+    assert png.stat().st_size > 1000

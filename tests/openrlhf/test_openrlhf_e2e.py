@@ -38,29 +38,52 @@ STEPS = 2
 PROMPTS_PER_STEP = 2
 
 
-def _command(model: str, prompts: Path, out: Path) -> list[str]:
-    """OpenRLHF's GRPO flags for the tiny run: 2 steps of 2 prompts x 4 samples of 8 tokens, one
-    optimizer step per training step (train batch 8 = rollout batch), KL loss against the reference."""
+def _command(
+    model: str,
+    prompts: Path,
+    out: Path,
+    group: int = 4,
+    per_step: int = PROMPTS_PER_STEP,
+    max_new: int = 8,
+    max_len: int = 32,
+    lr: float = 1e-2,
+    micro: int | None = None,
+    attn: str = "sdpa",
+) -> list[str]:
+    """OpenRLHF's GRPO flags for the tiny run: by default 2 prompts x 4 samples of 8 tokens per step,
+    one optimizer step per training step (train batch = rollout batch) of micro-batches of ``micro``
+    rows (default half of it), KL loss against the reference, attention ``attn``."""
+    rows = group * per_step
     return [
         "--actor.model_name_or_path", model, "--data.prompt_dataset", str(prompts),
         "--data.input_key", "input", "--reward.remote_url", str(CPU_HOST / "openrlhf_reward.py"),
         "--vllm.num_engines", "1", "--actor.num_gpus_per_node", "1", "--ref.num_gpus_per_node", "1",
-        "--rollout.batch_size", str(PROMPTS_PER_STEP), "--rollout.n_samples_per_prompt", "4",
-        "--rollout.micro_batch_size", "8", "--rollout.max_new_tokens", "8", "--data.max_len", "32",
-        "--train.micro_batch_size", "4", "--train.batch_size", "8", "--train.max_epochs", "1",
+        "--rollout.batch_size", str(per_step), "--rollout.n_samples_per_prompt", str(group),
+        "--rollout.micro_batch_size", str(rows), "--rollout.max_new_tokens", str(max_new),
+        "--data.max_len", str(max_len),
+        "--train.micro_batch_size", str(micro or max(rows // 2, 1)), "--train.batch_size", str(rows), "--train.max_epochs", "1",
         "--algo.advantage.estimator", "group_norm",
         "--algo.kl.use_loss", "--algo.kl.init_coef", "1e-3", "--algo.kl.estimator", "k3",
-        "--ds.zero_stage", "2", "--ds.attn_implementation", "sdpa",
+        "--ds.zero_stage", "2", "--ds.attn_implementation", attn,
         # a large lr, no warmup: bf16 parameters move visibly in two steps
-        "--actor.adam.lr", "1e-2", "--actor.lr_warmup_ratio", "0",
+        "--actor.adam.lr", str(lr), "--actor.lr_warmup_ratio", "0",
         "--ckpt.output_dir", str(out / "final"), "--logger.tensorboard_dir", str(out / "tb"),
     ]  # fmt: skip
 
 
-def _launch(module: str, data: dict, out: Path, *extra: str, timeout: float = 480) -> dict:
-    """Run ``python -m <module> <flags>`` on the CPU stand-ins; returns its log and wall time."""
+def _launch(
+    module: str,
+    data: dict,
+    out: Path,
+    *extra: str,
+    timeout: float = 480,
+    extra_env: dict | None = None,
+    **run,
+) -> dict:
+    """Run ``python -m <module> <flags>`` on the CPU stand-ins; returns its log and wall time.
+    ``run``: :func:`_command`'s sizes; ``extra_env``: more environment variables."""
     cmd = [sys.executable, "-m", "tests.e2e.cpu_host.openrlhf_launch", module]
-    cmd += [*_command(data["model"], data["prompts"], out), *extra]
+    cmd += [*_command(data["model"], data["prompts"], out, **run), *extra]
     env = clean_env(
         OMP_NUM_THREADS="1",
         PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
@@ -73,6 +96,7 @@ def _launch(module: str, data: dict, out: Path, *extra: str, timeout: float = 48
         HF_DATASETS_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
         RAY_DEDUP_LOGS="0",  # every line of the CPU rollout's, as printed (read by the resume test)
+        **(extra_env or {}),
     )
     returncode, log, seconds = run_launcher(cmd, env=env, cwd=ROOT, timeout=timeout)
     assert returncode == 0, log[-6000:]

@@ -41,15 +41,18 @@ def inputs(tmp_path_factory) -> dict:
     return build_inputs(tmp_path_factory.mktemp("verl-e2e"))
 
 
-def build_inputs(root: Path) -> dict:
+def build_inputs(root: Path, system: str = "", pairs: list[tuple[int, int]] | None = None) -> dict:
     """A tiny Llama with a byte tokenizer (and a chat template, which veRL's dataset applies), and
-    GSM8K-shaped parquet files as veRL's preprocessing scripts write them, under ``root``."""
+    GSM8K-shaped parquet files as veRL's preprocessing scripts write them, under ``root``: one row
+    per ``pairs`` entry, each prompt ``system`` (what the group's rows share beyond the question)
+    then the question."""
     import pandas as pd
 
     tokenizer = byte_tokenizer()
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
-    model = save_pretrained(byte_llama(0, max_position_embeddings=512), tokenizer, root / "model")
-    system = "You are a careful calculator. Answer with the digits of the result only. "
+    model = save_pretrained(byte_llama(0, max_position_embeddings=1024), tokenizer, root / "model")
+    system = system or "You are a careful calculator. Answer with the digits of the result only. "
+    pairs = pairs or [(12, 30), (7, 8), (21, 4), (5, 55), (9, 9), (40, 2)]
     rows = [
         {
             "data_source": "digits",
@@ -58,40 +61,52 @@ def build_inputs(root: Path) -> dict:
             "reward_model": {"style": "rule", "ground_truth": str(a + b)},
             "extra_info": {"index": i},
         }
-        for i, (a, b) in enumerate([(12, 30), (7, 8), (21, 4), (5, 55), (9, 9), (40, 2)])
+        for i, (a, b) in enumerate(pairs)
     ]
     pd.DataFrame(rows).to_parquet(root / "train.parquet")
     pd.DataFrame(rows[:2]).to_parquet(root / "val.parquet")
     return {"root": root, "model": model}
 
 
-def _overrides(inputs: dict, out: Path) -> list[str]:
+def _overrides(
+    inputs: dict,
+    out: Path,
+    steps: int = STEPS,
+    group: int = GROUP,
+    prompts: int = PROMPTS_PER_STEP,
+    lr: float = 1e-3,
+    max_prompt: int = 128,
+    save_freq: int = 1,
+    micro: int | None = None,
+) -> list[str]:
+    """veRL's overrides for a tiny GRPO run of ``steps`` steps of ``prompts`` prompts x ``group``
+    (training micro-batches of ``micro`` rows, default ``group``)."""
     root = inputs["root"]
     return [
         "algorithm.adv_estimator=grpo",
         f"data.train_files={root / 'train.parquet'}",
         f"data.val_files={root / 'val.parquet'}",
-        f"data.train_batch_size={PROMPTS_PER_STEP}",
-        "data.max_prompt_length=128",
+        f"data.train_batch_size={prompts}",
+        f"data.max_prompt_length={max_prompt}",
         "data.max_response_length=16",
         "data.dataloader_num_workers=0",
         f"actor_rollout_ref.model.path={inputs['model']}",
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         "actor_rollout_ref.actor.strategy=fsdp2",
         "actor_rollout_ref.ref.strategy=fsdp2",
-        "actor_rollout_ref.actor.optim.lr=1e-3",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS_PER_STEP}",
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={GROUP}",
+        f"actor_rollout_ref.actor.optim.lr={lr}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro or group}",
         "actor_rollout_ref.actor.use_kl_loss=True",
         "actor_rollout_ref.actor.kl_loss_coef=0.01",
         "actor_rollout_ref.actor.use_torch_compile=False",
         "actor_rollout_ref.ref.use_torch_compile=False",
         "actor_rollout_ref.rollout.name=hf_cpu",
-        f"actor_rollout_ref.rollout.n={GROUP}",
+        f"actor_rollout_ref.rollout.n={group}",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         "actor_rollout_ref.rollout.agent.num_workers=1",
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={GROUP}",
-        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={GROUP}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={group}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={group}",
         "reward.num_workers=1",
         f"reward.custom_reward_function.path={Path(__file__).with_name('e2e_reward.py')}",
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
@@ -101,10 +116,10 @@ def _overrides(inputs: dict, out: Path) -> list[str]:
         "+ray_kwargs.ray_init.include_dashboard=False",
         "trainer.n_gpus_per_node=1",
         "trainer.nnodes=1",
-        f"trainer.total_training_steps={STEPS}",
+        f"trainer.total_training_steps={steps}",
         "trainer.val_before_train=False",
         "trainer.test_freq=-1",
-        "trainer.save_freq=1",
+        f"trainer.save_freq={save_freq}",
         f"trainer.default_local_dir={out / 'ckpt'}",
         "trainer.resume_mode=disable",
         "trainer.logger=[console,file]",
@@ -113,12 +128,21 @@ def _overrides(inputs: dict, out: Path) -> list[str]:
     ]
 
 
-def main_ppo(inputs: dict, out: Path, config: str | None, *extra: str) -> str:
-    """veRL's own entry point in a fresh process: ``config`` names forkrl's YAML, None runs stock veRL."""
+def main_ppo(
+    inputs: dict,
+    out: Path,
+    config: str | None,
+    *extra: str,
+    timeout: float = 600,
+    extra_env: dict | None = None,
+    **run,
+) -> str:
+    """veRL's own entry point in a fresh process: ``config`` names forkrl's YAML, None runs stock veRL;
+    ``run``: :func:`_overrides`' sizes, ``extra_env``: more environment variables."""
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo"]
     if config is not None:
         cmd += ["--config-path", _hydra_dir(), "--config-name", config]
-    cmd += [*_overrides(inputs, out), *extra]
+    cmd += [*_overrides(inputs, out, **run), *extra]
     env = clean_env(
         OMP_NUM_THREADS="1",
         TOKENIZERS_PARALLELISM="false",
@@ -131,9 +155,10 @@ def main_ppo(inputs: dict, out: Path, config: str | None, *extra: str) -> str:
         RAY_DEDUP_LOGS="0",
         RAY_USAGE_STATS_ENABLED="0",
         RAY_enable_worker_prestart="0",  # no idle workers started ahead of need on two cores
+        **(extra_env or {}),
     )
     env.pop("RAY_ADDRESS", None)
-    returncode, log, seconds = run_launcher(cmd, env=env, cwd=out, timeout=600)
+    returncode, log, seconds = run_launcher(cmd, env=env, cwd=out, timeout=timeout)
     (out / "log.txt").write_text(log)
     assert returncode == 0, f"main_ppo failed (log: {out / 'log.txt'}):\n{log[-6000:]}"
     print(f"main_ppo {config or 'stock'}: {seconds:.1f} s")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 from collections.abc import Callable
 from types import ModuleType
@@ -182,8 +183,19 @@ WORKER_PATCHES: dict[str, Callable[[ModuleType], None]] = {
 }
 
 
+#: When set, every worker seeds torch's global RNG with it first. OpenRLHF's prompt loader shuffles
+#: from that RNG without a generator of its own, so without it two launches order the prompts
+#: differently; the learning-curve benchmark sets it so that its runs see the same prompts.
+WORKER_SEED = "FORKRL_E2E_WORKER_SEED"
+
+
 def apply_worker() -> None:
-    """Ray's ``worker_process_setup_hook``: register :data:`WORKER_PATCHES` in this worker process."""
+    """Ray's ``worker_process_setup_hook``: register :data:`WORKER_PATCHES` in this worker process
+    (and seed torch's global RNG when :data:`WORKER_SEED` is set)."""
+    if os.environ.get(WORKER_SEED):
+        import torch
+
+        torch.manual_seed(int(os.environ[WORKER_SEED]))
     pending = {}
     for name, patch in WORKER_PATCHES.items():
         if name in sys.modules:

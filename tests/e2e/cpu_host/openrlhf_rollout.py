@@ -35,6 +35,8 @@ from typing import Any
 import ray
 import torch
 
+from tests.e2e.cpu_host import record_rollout
+
 __all__ = ["HFRolloutActor", "create_cpu_rollout_engines"]
 
 
@@ -107,6 +109,7 @@ class HFRolloutActor:
                 **kwargs,
             )
         tokens = out[0, ids.shape[1] :].tolist()
+        record_rollout(self.loads, prompt_token_ids, tokens)
         finished = bool(tokens) and tokens[-1] == self.tokenizer.eos_token_id
         text = self.tokenizer.decode(tokens, skip_special_tokens=p.skip_special_tokens)
         output = SimpleNamespace(

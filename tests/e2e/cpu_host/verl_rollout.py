@@ -21,6 +21,8 @@ import torch
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
+from tests.e2e.cpu_host import record_rollout
+
 ROLLOUT = "hf_cpu"  # verl_host.ROLLOUT (not imported: verl_host is imported by verl, which this imports)
 
 
@@ -93,6 +95,7 @@ class HFServer:
         ):  # the sampled tokens' log-probs at the temperature, as veRL's actor scores them
             logits = torch.cat(out.logits[: len(tokens)]).float() / (temperature if sample else 1.0)
             log_probs = logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+        record_rollout(self.weight_syncs, prompt_ids, tokens)
         return TokenOutput(
             token_ids=tokens,
             log_probs=log_probs,
