@@ -5,9 +5,12 @@
 #   .venv-openrlhf   the OpenRLHF plugin against real OpenRLHF       (tests/openrlhf)
 # Arguments go to the first run (e.g. -x, -k name). Fails when any environment's tests fail or collect nothing.
 #
-# One suite at a time: the work is CPU-bound (all three side by side took longer, 30:51 against 28:29),
-# and tests whose plans follow measured timings (the `timing` marker; the balancers' online cost
-# models) must not share the machine: OpenRLHF's two-rank balanced test once failed beside veRL's.
+# The first runs alone: its tests marked `timing` compare measured speeds, which a busy machine skews
+# (on a shared machine, `-m "not timing"` leaves them out). The veRL and OpenRLHF suites then run side
+# by side (each to its own log, printed when both are done): their end-to-end runs spend much of their
+# time starting processes and importing, and none of their tests times anything. All three side by
+# side was slower: the work is CPU-bound (CI: 30:51 against 28:29 this way). Each prints its slowest
+# tests (--durations), what to look at first when the run grows.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -16,19 +19,29 @@ run() {  # run LABEL PYTHON ARGS...
     local label="$1" py="$2"
     shift 2
     echo "== $label: $py -m pytest $*"
-    "$py" -m pytest "$@"
+    "$py" -m pytest --durations=15 "$@"
     local rc=$?
     if [ "$rc" -eq 5 ]; then
         echo "scripts/test.sh: $label collected no tests: failing" >&2
     fi
-    [ "$rc" -eq 0 ] || status=1
+    return "$rc"
 }
 
 # DeepSpeed compiles a CPU op on first use (about a minute; scripts/setup.sh prebuilds it): each
 # environment keeps it in its own cache.
 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}" \
-    run "core + TRL" .venv/bin/python "$@"
-run "veRL" .venv-verl/bin/python tests/verl
+    run "core + TRL" .venv/bin/python "$@" || status=1
+
+logs="$(mktemp -d)"
+TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv-verl/torch_extensions}" \
+    run "veRL" .venv-verl/bin/python tests/verl >"$logs/verl" 2>&1 &
+verl=$!
 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv-openrlhf/torch_extensions}" \
-    run "OpenRLHF" .venv-openrlhf/bin/python tests/openrlhf
+    run "OpenRLHF" .venv-openrlhf/bin/python tests/openrlhf >"$logs/openrlhf" 2>&1 &
+openrlhf=$!
+wait "$verl" || status=1
+cat "$logs/verl"
+wait "$openrlhf" || status=1
+cat "$logs/openrlhf"
+rm -rf "$logs"
 exit "$status"
