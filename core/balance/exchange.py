@@ -112,7 +112,7 @@ def rebalance(
     # The plan is made on the group's first rank and sent to the others: a cost model fitted on each
     # rank agrees only up to rounding (LAPACK's least squares differs in its last bits between
     # processes), and a near-tie would then split the ranks' plans: rows trained twice or never.
-    decision = [_plan(flat, sequence, original, model, world, equal_rows, min_rows) if rank == 0 else None]
+    decision = [_plan(flat, sequence, original, model, equal_rows, min_rows) if rank == 0 else None]
     dist.broadcast_object_list(
         decision, src=0 if group is None else dist.get_global_rank(group, 0), group=group
     )
@@ -135,7 +135,6 @@ def _plan(
     sequence: Callable[[R], tuple[list[int], int]],
     original: list[list[int]],
     model: CostModel | None,
-    world: int,
     equal_rows: bool,
     min_rows: int,
 ) -> tuple[list[list[int]], float, float, float]:
@@ -145,9 +144,11 @@ def _plan(
     trees = trees_of_forest(PrefixForest.build([s for s, _ in seqs], [f for _, f in seqs]))
     counts = [len(ids) for ids in original]
     before = evaluate(trees, original, model)
-    plan = balance(trees, world, model, rows_per_rank=counts[0] if equal_rows else None)
+    plan = balance(trees, len(original), model, rows_per_rank=counts[0] if equal_rows else None)
     if not equal_rows and any(len(ids) < max(min_rows, 1) for ids in plan.ranks):
-        plan = balance(trees, world, model, rows_per_rank=counts[0]) if len(set(counts)) == 1 else before
+        plan = (
+            balance(trees, len(original), model, rows_per_rank=counts[0]) if len(set(counts)) == 1 else before
+        )
     if plan.makespan >= before.makespan:  # nothing to gain: keep the rows where they are
         plan = before
     return [list(ids) for ids in plan.ranks], before.makespan, plan.makespan, plan.lower_bound
