@@ -1,4 +1,5 @@
-"""Data-parallel pieces of a tree step: the gradient average and cross-rank metrics.
+"""Data-parallel pieces of a tree step: the gradient average, cross-rank metrics, and how a
+sequence-parallel group's ranks share micro-batches.
 
 The tree runs on the unwrapped module, so a DDP wrapper's gradient hooks never fire; the step
 averages gradients itself, once per optimizer step, in flat buckets (as DDP's reducer does).
@@ -6,12 +7,12 @@ averages gradients itself, once per optimizer step, in flat buckets (as DDP's re
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_ok", "all_reduce_gradients", "world_size"]
+__all__ = ["all_ok", "all_reduce_gradients", "share_micro_batches", "world_size"]
 
 
 def world_size(group=None) -> int:
@@ -74,3 +75,33 @@ def all_ok(ok: bool, device: torch.device, group=None) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
+
+
+def share_micro_batches(tokens: Sequence[int], size: int, rank: int) -> list[int] | None:
+    """The micro-batches rank ``rank`` of a sequence-parallel group of ``size`` runs, when the group's
+    ranks, which all hold the same micro-batches, divide them instead of splitting every sequence
+    (veRL's Ulysses groups, OpenRLHF's ring-attention groups): a contiguous run, so that rows that
+    share prefixes mostly stay on one rank, cut where the cumulative token count crosses
+    ``s / size`` of the total (each rank at least one).
+
+    Args:
+        tokens: per micro-batch, its token count (the same on every rank of the group).
+        size: the group's rank count.
+        rank: this rank's index in the group.
+
+    Returns:
+        The indices, or None when there are fewer micro-batches than ranks (every rank runs all).
+    """
+    count = len(tokens)
+    if size <= 1 or count < size:
+        return None
+    total = max(sum(tokens), 1)
+    cumulative, bounds, running = [], [0], 0
+    for t in tokens:
+        running += t
+        cumulative.append(running)
+    for s in range(1, size):
+        cut = next((i + 1 for i, c in enumerate(cumulative) if c * size >= total * s), count)
+        bounds.append(min(max(cut, bounds[-1] + 1), count - (size - s)))
+    bounds.append(count)
+    return list(range(bounds[rank], bounds[rank + 1]))

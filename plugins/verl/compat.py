@@ -8,7 +8,9 @@ entry's name. The accessors below are the plugin's only way into veRL's internal
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 
 import torch
 
@@ -28,6 +30,7 @@ __all__ = [
     "non_tensor",
     "postprocess",
     "prompt_lengths",
+    "ulysses_off",
 ]
 
 CHECKED = "verl 0.9.1 (transformers 5.10.4, tensordict 0.10.0)"
@@ -132,6 +135,17 @@ def _tensordict_utils() -> None:
     assert "multi_modal_inputs = {}" in inspect.getsource(AgentLoopWorker._compute_multi_modal_inputs)
 
 
+def _ulysses() -> None:
+    from verl.models.transformers import monkey_patch
+    from verl.utils import ulysses
+
+    for name in ("get_ulysses_sequence_parallel_group", "set_ulysses_sequence_parallel_group"):
+        assert callable(getattr(ulysses, name)), name
+    src = inspect.getsource(monkey_patch._ulysses_flash_attention_forward)
+    assert "ulysses_sp_size = get_ulysses_sequence_parallel_world_size()" in src
+    assert "if ulysses_sp_size > 1 and position_ids is not None" in src
+
+
 PRIVATES: tuple[Private, ...] = (
     Private(
         "FSDPEngine.forward_backward_batch / FSDPEngineWithLMHead.forward_step",
@@ -159,6 +173,12 @@ PRIVATES: tuple[Private, ...] = (
         "FSDPActorConfig.__post_init__ copies actor.strategy onto engine_config",
         "forkrl's config subclass names the engine backend after that copy (the actor keeps strategy fsdp2)",
         _actor_config,
+    ),
+    Private(
+        "utils.ulysses.{get,set}_ulysses_sequence_parallel_group; _ulysses_flash_attention_forward",
+        "the tree runs whole sequences on every rank of a Ulysses group: the group is unset inside its passes, "
+        "so the patched attention entry does no all-to-all",
+        _ulysses,
     ),
     Private("EngineRegistry.register", "forkrl's engine is registered under backend fsdp2_tree", _registry),
     Private("verl.utils.tensordict_utils", "non-tensor batch fields (flags, normalisers)", _tensordict_utils),
@@ -214,6 +234,28 @@ def global_batch_info(engine, data) -> None:
     dist.all_reduce(batch_num_tokens, op=dist.ReduceOp.SUM, group=engine.get_data_parallel_group())
     tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item())
     tu.assign_non_tensor(data, dp_size=engine.get_data_parallel_size())
+
+
+@contextlib.contextmanager
+def ulysses_off(engine) -> Iterator[None]:
+    """veRL's Ulysses attention switched off (its group unset) while the tree passes run.
+
+    Under ``ulysses_sequence_parallel_size > 1`` veRL patches the model's flash-attention entry to
+    all-to-all a sequence slice over the Ulysses group. The tree runs whole sequences on every rank,
+    so an attention call that reaches the model's own implementation (the split attention does not
+    apply) must stay local: with no group the patched entry is plain flash attention.
+    """
+    if engine.ulysses_sequence_parallel_size <= 1:
+        yield
+        return
+    from verl.utils import ulysses
+
+    previous = ulysses.get_ulysses_sequence_parallel_group()
+    ulysses.set_ulysses_sequence_parallel_group(None)
+    try:
+        yield
+    finally:
+        ulysses.set_ulysses_sequence_parallel_group(previous)
 
 
 def micro_batches(engine, data):

@@ -73,10 +73,11 @@ class ForkrlFSDPActorConfig(FSDPActorConfig):
                 f"forkrl's tree engine runs on veRL's FSDP2 engine; actor.strategy={self.strategy!r}: set strategy: fsdp2, "
                 "or set forkrl.tree_packing: false"
             )
-        if options.tree_enabled and self.ulysses_sequence_parallel_size > 1:
+        if options.tree_enabled and options.tree_balance == "on" and self.ulysses_sequence_parallel_size > 1:
             raise ValueError(
-                "forkrl's tree engine cannot run with Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1): "
-                "set it to 1, or set forkrl.tree_packing: false"
+                "forkrl.tree_balance: on moves rows between data-parallel ranks, which a Ulysses group "
+                f"(ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size}) does not do: its ranks share "
+                "each mini-batch's micro-batches instead; set forkrl.tree_balance: auto or off"
             )
         unsafe = unsafe_reason(
             getattr(self.policy_loss, "loss_mode", "vanilla"), self.loss_agg_mode, self.loss_scale_factor

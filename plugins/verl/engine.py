@@ -29,9 +29,11 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from forkrl.core import RowLayout, TreeOptions, TreeStep
 from forkrl.core.balance import OnlineCostModel, forest_stats
+from forkrl.core.train import share_micro_batches
 
 from . import compat
 from .balance import balance_mini_batch
+from .ulysses import gather_outputs
 
 __all__ = ["BACKEND", "TreeFSDPEngineWithLMHead"]
 
@@ -89,15 +91,30 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             if dtype == torch.float32
             else torch.autocast(device_type=get_device_name(), dtype=dtype)
         )
-        with autocast:
+        mine = self._share(micro_batches)
+        with autocast, compat.ulysses_off(self):
             if forward_only:
-                outputs = self._score(step, micro_batches, layouts, loss_function, entropy)
+                outputs = self._score(step, micro_batches, layouts, loss_function, entropy, mine)
             else:
-                outputs = self._train(step, micro_batches, layouts, loss_function, entropy, data, balanced)
+                outputs = self._train(
+                    step, micro_batches, layouts, loss_function, entropy, data, balanced, mine
+                )
+        if mine is not None:  # the Ulysses group's micro-batches, on every rank of it
+            outputs = gather_outputs(
+                outputs,
+                mine,
+                len(micro_batches),
+                self.ulysses_parallel_group,
+                lambda i, lp, ent: _model_output(
+                    micro_batches[i], lp.to(get_device_id()), None if ent is None else ent.to(get_device_id())
+                ),
+            )
         return compat.postprocess(outputs, indices, data)
 
     # ------------------------------------------------------------------ the two passes
-    def _score(self, step, micro_batches, layouts, loss_function, entropy: bool) -> list[dict]:
+    def _score(self, step, micro_batches, layouts, loss_function, entropy: bool, mine) -> list[dict]:
+        if mine is not None:  # this rank's share of its Ulysses group's micro-batches
+            micro_batches, layouts = [micro_batches[i] for i in mine], [layouts[i] for i in mine]
         scored = step.score_window(self.module, layouts, entropy=entropy)
         outputs = []
         for mb, (lp, ent) in zip(micro_batches, scored, strict=True):
@@ -111,9 +128,13 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         return outputs
 
     def _train(
-        self, step, micro_batches, layouts, loss_function, entropy: bool, data, balanced
+        self, step, micro_batches, layouts, loss_function, entropy: bool, data, balanced, mine
     ) -> list[dict]:
         last: dict[int, tuple[torch.Tensor, dict]] = {}
+        scale = 1
+        if mine is not None:  # this rank's share of its Ulysses group's micro-batches (module ulysses)
+            micro_batches, layouts = [micro_batches[i] for i in mine], [layouts[i] for i in mine]
+            scale = self.ulysses_sequence_parallel_size
 
         def loss_fn(i: int, logps: torch.Tensor, ents: torch.Tensor | None) -> torch.Tensor:
             model_output = _model_output(micro_batches[i], logps, ents if entropy else None)
@@ -121,7 +142,7 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                 model_output=model_output, data=micro_batches[i], dp_group=self.get_data_parallel_group()
             )
             last[i] = (loss, metrics)  # the bridge evaluates the real values last
-            return loss
+            return loss * scale if scale != 1 else loss
 
         result = step.train(self.module, layouts, loss_fn, loss_gradient="general", entropy=entropy)
         keep_output = bool(compat.non_tensor(data, "return_model_output", False))
@@ -134,7 +155,10 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             if keep_output:
                 out["model_output"] = _model_output(mb, layouts[i].to_host(torch.cat(rows)), None)
             outputs.append(out)
-        extra = result.metrics.as_dict()
+        figures = result.metrics
+        if mine is not None:  # the Ulysses group's step: tokens summed, times maxed
+            figures = figures.reduced(get_device_id(), group=self.ulysses_parallel_group)
+        extra = figures.as_dict()
         if balanced is not None:
             extra["tree/balance_cost_fitted"] = float(self._cost_model.fitted)
             # Every rank's shape and time of this step: the next plans are priced by the refitted model.
@@ -144,9 +168,18 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                 group=self.get_data_parallel_group(),
             )
             extra.update(balanced.metrics(measured=measured))
-        for key, value in extra.items():
-            outputs[0]["metrics"][key] = Metric(value=value, aggregation=AggregationType.MEAN)
+        if mine is None or mine[0] == 0:  # once per step: on the first micro-batch
+            for key, value in extra.items():
+                outputs[0]["metrics"][key] = Metric(value=value, aggregation=AggregationType.MEAN)
         return outputs
+
+    def _share(self, micro_batches) -> list[int] | None:
+        """The micro-batches this rank runs of its Ulysses group's mini-batch (None: all of them)."""
+        size = self.ulysses_sequence_parallel_size
+        if size <= 1:
+            return None
+        tokens = [int(mb["input_ids"].offsets()[-1]) for mb in micro_batches]
+        return share_micro_batches(tokens, size, self.ulysses_device_mesh["sp"].get_local_rank())
 
     # ------------------------------------------------------------------ setup and refusals
     def _balancing(self, data) -> bool:
@@ -154,6 +187,8 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         rank: the config, the dp size and the driver's flags are shared)."""
         if self._tree_options.tree_balance == "off" or self.get_data_parallel_size() < 2:
             return False
+        if self.ulysses_sequence_parallel_size > 1:
+            return False  # a Ulysses group shares its micro-batches instead (module ulysses)
         if getattr(self.engine_config, "forkrl_balance_unsafe", None) is not None:
             return False  # the loss depends on the rows' grouping (refused at config time under "on")
         return not compat.non_tensor(data, "return_model_output", False)  # per-row outputs stay on their rank
@@ -184,8 +219,6 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                     f"forkrl's tree engine does not support {what}: turn it off or set forkrl.tree_packing=false"
                 )
         problems = []
-        if self.ulysses_sequence_parallel_size > 1:
-            problems.append("Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1)")
         if getattr(self, "scaler", None) is not None:
             problems.append("fp16 loss scaling (use bf16)")
         if getattr(self, "pad_to_length", False):

@@ -141,3 +141,26 @@ def test_a_nan_advantage_stops_the_step_before_anything_is_accumulated():
         with Float64Mode(), pytest.raises(ValueError, match="nothing was accumulated"):
             TreeStep(TreeOptions(tree_packing=True)).train(model, [lay_a], loss_fn, loss_gradient=path)
         assert all(p.grad is None for p in model.parameters())
+
+
+def test_share_micro_batches_divides_a_group_contiguously_by_tokens():
+    """Every micro-batch on exactly one rank, in contiguous non-empty runs near equal in tokens;
+    fewer micro-batches than ranks: None (every rank runs all)."""
+    from forkrl.core.train import share_micro_batches
+
+    g = torch.Generator().manual_seed(0)
+    for size in (2, 3, 4):
+        for count in range(size, 12):
+            tokens = torch.randint(1, 100, (count,), generator=g).tolist()
+            runs = [share_micro_batches(tokens, size, r) for r in range(size)]
+            assert [i for run in runs for i in run] == list(range(count)), (tokens, runs)
+            assert all(run and run == list(range(run[0], run[-1] + 1)) for run in runs)
+            loads = [sum(tokens[i] for i in run) for run in runs]
+            # a cut moves at most one micro-batch past the ideal share
+            assert max(loads) <= sum(tokens) / size + max(tokens), (tokens, runs)
+    assert share_micro_batches([5, 5, 5, 5], 2, 0) == [0, 1] and share_micro_batches([5, 5, 5, 5], 2, 1) == [
+        2,
+        3,
+    ]
+    assert share_micro_batches([90, 5, 5], 2, 0) == [0] and share_micro_batches([90, 5, 5], 2, 1) == [1, 2]
+    assert share_micro_batches([4], 2, 0) is None and share_micro_batches([4, 4], 1, 0) is None

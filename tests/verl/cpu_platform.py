@@ -180,6 +180,7 @@ def install() -> None:
     import verl.utils.torch_functional as verl_F
     from verl.workers.engine.fsdp import transformer_impl
 
+    transformer_impl.device_name = "cpu"  # read at import, before this platform: Ulysses' device mesh
     # Before any engine exists (the engine binds entropy_from_logits in __init__).
     if not getattr(transformer_impl.logprobs_from_logits, "forkrl_float32", False):
         transformer_impl.logprobs_from_logits = _float32_softmax(transformer_impl.logprobs_from_logits)

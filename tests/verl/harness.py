@@ -151,22 +151,27 @@ def batch(rollouts, seed: int = 0, kl: bool = False, is_weights: bool = False) -
 
 
 def update(w, td: TensorDict, mini_batch: int, entropy: bool, temperature: float = 1.0):
-    """One ``update_actor`` call (as veRL's trainer makes it); returns the metrics."""
+    """One ``update_actor`` call (as veRL's trainer makes it); returns the metrics (None on a rank
+    veRL does not collect from: a Ulysses group's ranks after its first)."""
     td = td.clone()
     tu.assign_non_tensor(
         td, calculate_entropy=entropy, global_batch_size=mini_batch, mini_batch_size=mini_batch, epochs=1, seed=42,
         dataloader_kwargs={"shuffle": False}, compute_loss=True, temperature=temperature,
     )  # fmt: skip
-    return tu.get(w.train_mini_batch(td), "metrics")
+    out = w.train_mini_batch(td)
+    return None if out is None else tu.get(out, "metrics")
 
 
 def log_probs(w, td: TensorDict, entropy: bool = True, temperature: float = 1.0):
-    """``compute_log_prob`` as veRL's trainer makes it: response log-probs (and entropies), padded."""
+    """``compute_log_prob`` as veRL's trainer makes it: response log-probs (and entropies), padded
+    (Nones on a rank veRL does not collect from)."""
     from verl.workers.utils.padding import no_padding_2_padding
 
     td = td.clone()
     tu.assign_non_tensor(td, calculate_entropy=entropy, compute_loss=False, temperature=temperature)
     out = w.infer_batch(td)
+    if out is None:  # a rank veRL does not collect from (a Ulysses group's ranks after its first)
+        return None, None, None
     lp = no_padding_2_padding(tu.get(out, "log_probs"), td)
     ent = no_padding_2_padding(tu.get(out, "entropy"), td) if entropy else None
     return lp, ent, tu.get(out, "metrics")

@@ -183,8 +183,12 @@ def test_config_errors():
         h.actor_config({"tree_packnig": True})
     with pytest.raises(ValueError, match="tree_mode='fast' is not one of"):
         h.actor_config({"tree_packing": True, "tree_mode": "fast"})
-    with pytest.raises(ValueError, match="Ulysses sequence parallelism"):
-        h.actor_config({"tree_packing": True}, ulysses_sequence_parallel_size=2)
+    sp = h.actor_config(
+        {"tree_packing": True}, ulysses_sequence_parallel_size=2
+    )  # accepted (test_verl_ulysses)
+    assert sp.engine.ulysses_sequence_parallel_size == 2
+    with pytest.raises(ValueError, match="a Ulysses group .* does not do: its ranks share"):
+        h.actor_config({"tree_packing": True, "tree_balance": "on"}, ulysses_sequence_parallel_size=2)
     from verl.workers.config.actor import PolicyLossConfig
 
     on = {"tree_packing": True, "tree_balance": "on"}

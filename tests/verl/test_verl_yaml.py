@@ -113,6 +113,26 @@ def test_yaml_builds_forkrl_configs_and_passes_verl_validation(name, model_path)
         assert actor.engine.forkrl.long_context_replay and actor.engine.forkrl.tree_block_size == 2048
 
 
+@pytest.mark.parametrize("name", ["forkrl_tree", "forkrl_long_context"])
+def test_ulysses_sequence_parallelism_passes_verl_validation(name, model_path):
+    """The override a Ulysses user already has (``ulysses_sequence_parallel_size=2`` on two GPUs)
+    composes with forkrl's YAML and builds forkrl's engine (the update: ``test_verl_ulysses``)."""
+    from verl.trainer.main_ppo import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    extra = [
+        "trainer.n_gpus_per_node=2",
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+        "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2",
+        "actor_rollout_ref.model.use_remove_padding=true",
+    ]
+    cfg = _compose(name, model_path, extra)
+    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    for config in _build(cfg):
+        assert config.engine.strategy == "fsdp2_tree" and config.engine.forkrl.tree_enabled
+        assert config.engine.ulysses_sequence_parallel_size == 2
+
+
 def test_a_wrong_forkrl_key_fails_when_veRL_builds_the_config(model_path):
     cfg = _compose("forkrl_tree", model_path, ["+actor_rollout_ref.actor.forkrl.tree_mod=keep"])
     with pytest.raises(Exception, match=r"unknown forkrl option\(s\) \['tree_mod'\]"):
