@@ -27,6 +27,8 @@ __all__ = [
     "Private",
     "check",
     "engine_of",
+    "ring_attention_off",
+    "ring_group",
     "swapped",
 ]
 
@@ -103,6 +105,36 @@ def swapped(module: ModuleType | str, **names: Any) -> Iterator[None]:
 def engine_of(actor: torch.nn.Module) -> Any:
     """The DeepSpeed engine inside an OpenRLHF ``Actor`` (``strategy.prepare`` sets ``actor.model``)."""
     return actor.model
+
+
+def ring_group():
+    """OpenRLHF's ring-attention group (``--ds.ring_attn_size > 1``; set by the strategy), or None."""
+    from openrlhf.models.ring_attn_utils import get_ring_attn_group
+
+    return get_ring_attn_group()
+
+
+@contextlib.contextmanager
+def ring_attention_off() -> Iterator[None]:
+    """``ring_flash_attn``'s attention switched off while the tree's passes run.
+
+    Under ring attention OpenRLHF's strategy replaces transformers' flash-attention entry with
+    ``ring_flash_attn``'s, which attends a rank's slice of a packed micro-batch to the keys gathered
+    over the ring group. The tree runs whole sequences on every rank, so an attention call that
+    reaches the model's own implementation (the split attention does not apply) must stay local:
+    with the switch off the entry is plain flash attention.
+    """
+    if ring_group() is None:
+        yield
+        return
+    from ring_flash_attn.adapters import hf_adapter
+
+    previous = hf_adapter.RING_ATTN_SWITCH
+    hf_adapter.use_ring_attn(False)
+    try:
+        yield
+    finally:
+        hf_adapter.use_ring_attn(previous)
 
 
 # ---------------------------------------------------------------------- the contract
@@ -222,6 +254,20 @@ def _strategy() -> None:
     assert "model.step()" in inspect.getsource(DeepspeedStrategy.optimizer_step)
 
 
+def _ring() -> None:
+    from openrlhf.models import ring_attn_utils
+    from openrlhf.utils.deepspeed import DeepspeedStrategy
+
+    assert callable(ring_attn_utils.get_ring_attn_group)
+    assert 'ds_device_mesh["sp"].get_group()' in inspect.getsource(DeepspeedStrategy.setup_ring_attn)
+    try:
+        from ring_flash_attn.adapters import hf_adapter
+    except ImportError:  # optional in OpenRLHF: only ring-attention runs install it
+        return
+    assert callable(hf_adapter.use_ring_attn) and isinstance(hf_adapter.RING_ATTN_SWITCH, bool)
+    assert "if RING_ATTN_SWITCH" in inspect.getsource(hf_adapter.substitute_hf_flash_attn)
+
+
 PRIVATES: tuple[Private, ...] = (
     Private("swaps", "the names SWAPS replaces exist and are looked up where the plugin expects", _swaps),
     Private("window", "ppo_train groups micro-batches with iter_grad_accum_global_norm", _window),
@@ -234,6 +280,12 @@ PRIVATES: tuple[Private, ...] = (
     Private("actor_layout", "Actor.forward's positions, log-prob columns and temperature", _actor_layout),
     Private("scoring", "old and reference log-probs come through the actors' forward", _scoring),
     Private("strategy", "DeepspeedStrategy.backward/optimizer_step call the engine's", _strategy),
+    Private(
+        "ring",
+        "the ring-attention group (get_ring_attn_group) and ring_flash_attn's switch (use_ring_attn), which "
+        "the tree turns off inside its passes",
+        _ring,
+    ),
 )
 
 

@@ -134,6 +134,8 @@ def _balance_unsafe(args: Any) -> str | None:
 
 def balance_setting(args: Any, options: ForkrlOptions, world: int) -> bool:
     """Whether each optimizer step's rows are rebalanced over the ``world`` data-parallel ranks."""
+    if (_get(args, "ds.ring_attn_size", 1) or 1) > 1:
+        return False  # a ring-attention group shares its micro-batches instead (trainer module)
     return options.tree_balance != "off" and world > 1 and _balance_unsafe(args) is None
 
 
@@ -150,9 +152,10 @@ def check_host_args(args: Any, options: ForkrlOptions) -> None:
     flag = "--forkrl.tree_packing" if options.tree_packing else "--forkrl.long_context_replay"
     refusals = [
         (
-            (_get(args, "ds.ring_attn_size", 1) or 1) > 1,
-            "--ds.ring_attn_size > 1 splits each sequence over ranks: use --ds.ring_attn_size 1 (for long sequences "
-            "--forkrl.long_context_replay keeps memory bounded instead)",
+            (_get(args, "ds.ring_attn_size", 1) or 1) > 1 and options.tree_balance == "on",
+            "--forkrl.tree_balance on moves rows between data-parallel ranks, which a ring-attention group "
+            "(--ds.ring_attn_size > 1) does not do: its ranks share each optimizer step's micro-batches instead; "
+            "use --forkrl.tree_balance auto or off",
         ),
         (
             (_get(args, "ds.tensor_parallel_size", 1) or 1) > 1,

@@ -24,6 +24,15 @@ and :class:`forkrl.core.train.TreeStep` trains it:
 With several data-parallel ranks (``--forkrl.tree_balance auto``, the default), each window's rows
 are first moved between the ranks by predicted tree cost (:mod:`forkrl.plugins.openrlhf.balance`).
 
+Under ring attention (``--ds.ring_attn_size R > 1``) OpenRLHF gives every rank of a ring group the
+same micro-batches and splits each sequence over the group. The tree runs whole sequences, so the
+group divides each window instead: rank ``s`` trains a contiguous run of the window's micro-batches
+(:func:`forkrl.core.train.share_micro_batches`) with ``R`` times their loss, and the statuses are
+all-gathered so that every rank reports every micro-batch. DeepSpeed averages the gradients over
+all ranks, and stock's ring ranks each hold ``R`` times their slice's gradient (the log-probs'
+all-gather reduce-scatters its gradient), so the update is stock's for any loss: each micro-batch
+keeps its rows and normalisers. A window with fewer micro-batches than ``R`` runs whole on every rank.
+
 Old-policy and reference log-probs go through :func:`score_log_probs` (prefix-shared, no grad).
 """
 
@@ -37,13 +46,14 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from openrlhf.trainer.ray import ppo_actor
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
 from forkrl.core import RowLayout, TreeStep, UnsupportedModelError
 from forkrl.core.balance import OnlineCostModel, forest_stats
 from forkrl.core.executor import RouterLoss
-from forkrl.core.train import AliasReplica, world_size
+from forkrl.core.train import AliasReplica, share_micro_batches, world_size
 
 from ..deepspeed import gathered
 from . import compat
@@ -79,10 +89,35 @@ def score_log_probs(
     was_training = module.training
     module.eval()
     try:
-        logps, _ = tree.score(module, layout)
+        with compat.ring_attention_off():  # every rank of a ring group scores the whole batch
+            logps, _ = tree.score(module, layout)
     finally:
         module.train(was_training)
     return (logps * action_mask.to(logps.device).float()).cpu()
+
+
+def _moved(x: Any, where: torch.device | str) -> Any:
+    """``x`` (a status: dicts, lists, tensors, numbers) with its tensors on ``where``."""
+    if isinstance(x, torch.Tensor):
+        return x.to(where)
+    if isinstance(x, dict):
+        return {k: _moved(v, where) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_moved(v, where) for v in x)
+    return x
+
+
+def _gather_statuses(statuses: list, mine: list[int], group, device: torch.device) -> list[dict]:
+    """The ring group's ``training_step`` statuses, each rank's own at its micro-batches' indices."""
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, [(i, _moved(statuses[i], "cpu")) for i in mine], group=group)
+    for part in parts:
+        for i, status in part:
+            statuses[i] = _moved(status, device)
+    if any(s is None for s in statuses):
+        missing = [i for i, s in enumerate(statuses) if s is None]
+        raise RuntimeError(f"tree step: the ring group returned no status for micro-batches {missing}")
+    return statuses
 
 
 class _LeafActor:
@@ -236,16 +271,27 @@ class TreeActorPPOTrainer(ActorPPOTrainer):
         balanced = None
         if self._balance:  # the window's rows over the ranks by tree cost (the same normalisers)
             window, balanced = balance_window(window, device, self._cost_model.model)
-        layouts = [_layout(e.sequences, e.action_mask, e.attention_mask) for e, _ in window]
+        ring = compat.ring_group()
+        mine = None  # this rank's micro-batches of its ring group's window (module docstring)
+        if ring is not None:
+            tokens = [int(e.attention_mask.sum()) for e, _ in window]
+            mine = share_micro_batches(tokens, dist.get_world_size(ring), dist.get_rank(ring))
+        owned = list(range(len(window))) if mine is None else mine
+        scale = 1 if mine is None else dist.get_world_size(ring)
+        layouts = [
+            _layout(window[i][0].sequences, window[i][0].action_mask, window[i][0].attention_mask)
+            for i in owned
+        ]
         statuses: list[dict | None] = [None] * len(window)
-        router = RouterLoss([self._router_weight(self._window_start + i) for i in range(len(window))])
+        router = RouterLoss([self._router_weight(self._window_start + i) for i in owned])
         router = router if self.aux_loss else None
 
-        def loss_fn(i: int, logps: torch.Tensor, entropies: torch.Tensor | None) -> torch.Tensor:
+        def loss_fn(j: int, logps: torch.Tensor, entropies: torch.Tensor | None) -> torch.Tensor:
+            i = owned[j]
             experience, info = window[i]
             capture = _LossCapture(self.strategy)
             values = router.values() if router is not None else None
-            aux = (values[i] if values is not None else torch.zeros(())).to(logps.device, torch.float32)
+            aux = (values[j] if values is not None else torch.zeros(())).to(logps.device, torch.float32)
             with self._standing_in(_LeafActor(self.actor, logps, entropies, aux), capture):
                 statuses[i] = ActorPPOTrainer.training_step(
                     self, experience, kl_ctl, self._window_start + i, info
@@ -254,7 +300,7 @@ class TreeActorPPOTrainer(ActorPPOTrainer):
                 raise RuntimeError(
                     "tree step: OpenRLHF's training_step did not hand a loss to strategy.backward"
                 )
-            return capture.loss
+            return capture.loss * scale if scale != 1 else capture.loss
 
         if self._replica is None or self._replica.model is not module:
             # DeepSpeed accumulates micro-batches in fp32 for bf16 parameters; the tree does too.
@@ -263,7 +309,7 @@ class TreeActorPPOTrainer(ActorPPOTrainer):
         # ZeRO-3: one all-gather for the window; the first micro-batch's hand-over (the window's
         # gradient: DeepSpeed's one reduce-scatter) runs while the parameters are still whole.
         with self._replica.whole():
-            with self._replica.gathered(grad=True) as plain:
+            with self._replica.gathered(grad=True) as plain, compat.ring_attention_off():
                 result = self.tree_step.train(
                     plain,
                     layouts,
@@ -279,6 +325,8 @@ class TreeActorPPOTrainer(ActorPPOTrainer):
             # under ZeRO-3 its reduction may still be in flight when it returns, until the step, and a
             # collective issued meanwhile was seen to read a half-reduced buffer (gloo, 2 ranks).
             metrics = result.metrics.reduced(device).as_dict()
+            if mine is not None:  # every micro-batch's status on every rank of the ring group
+                statuses = _gather_statuses(statuses, mine, ring, device)
             if balanced is not None:
                 metrics["tree/balance_cost_fitted"] = float(self._cost_model.fitted)
                 # Every rank's shape and time of this step: the next plans are priced by the refitted model.

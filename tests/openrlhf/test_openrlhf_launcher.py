@@ -66,7 +66,10 @@ def test_bad_forkrl_flags_are_usage_errors(capsys, argv, needle):
 @pytest.mark.parametrize(
     "extra,needle",
     [
-        (["--ds.ring_attn_size", "2", "--ds.packing_samples"], "--ds.ring_attn_size"),
+        (
+            ["--ds.ring_attn_size", "2", "--ds.packing_samples", "--forkrl.tree_balance", "on"],
+            "a ring-attention group (--ds.ring_attn_size > 1) does not do",
+        ),
         (["--ds.param_dtype", "fp16"], "--ds.param_dtype fp16"),
         (["--forkrl.tree_balance", "on", "--actor.aux_loss_coef", "0.01"], "--forkrl.tree_balance on"),
         (
@@ -82,6 +85,14 @@ def test_refused_openrlhf_settings_fail_before_ray(extra, needle):
     assert needle in str(info.value.code) and "or train without --forkrl.tree_packing" in str(info.value.code)
     # one prefix for every error the launcher gives, as argparse's usage errors have
     assert str(info.value.code).startswith("python -m forkrl.plugins.openrlhf.train_ppo_ray: error: ")
+
+
+def test_ring_attention_is_accepted():
+    """What a ring-attention user already passes; the update: ``test_openrlhf_ring``."""
+    args = h.parse_args(
+        [*h.command("m", "--forkrl.tree_packing"), "--ds.ring_attn_size", "2", "--ds.packing_samples"]
+    )
+    assert args.ds.ring_attn_size == 2 and args.forkrl.tree_packing
 
 
 def test_zero_stage_3_is_accepted_also_with_dynamic_batches():
