@@ -145,3 +145,24 @@ def test_learning_curve_report_compares_against_the_rounding_control(tmp_path, c
     sys.argv = ["learning_curve", "--replot", str(record), "--plot", str(png)]
     main()
     assert png.stat().st_size > 1000
+
+
+def test_vlm_tree_benchmark():
+    res = _run(
+        "vlm_tree",
+        "--size",
+        "micro",
+        "--image-tokens",
+        "16",
+        "--P",
+        "8",
+        "--G",
+        "2",
+        "--R",
+        "8",
+        "--repeat",
+        "1",
+    )
+    (row,) = res["rows"]
+    assert res["benchmark"] == "vlm_tree" and row["compression"] > 1 and row["ideal_flop_ratio"] > 1
+    assert row["dense_s"] > 0 and row["tree_s"] > 0 and row["tree_saved_mb"] < row["dense_saved_mb"]

@@ -8,6 +8,7 @@
 - :mod:`.cache`: the per-node caches and what a node leaves in them.
 - :mod:`.scan`: Mamba-1's selective scan from a parent's state.
 - :mod:`.context_parallel`: long-context replay with the prompt's cache split over ranks.
+- :mod:`.vision`: images in a tree (each unique image through the vision tower once).
 """
 
 from ..tree import Unit, plan
@@ -16,6 +17,7 @@ from .head import CoefficientFn
 from .model import ModelAdapter, UnsupportedModelError
 from .router import RouterLoss
 from .tree_executor import MODES, PROMPT_GRADS, ExecMode, PromptGrad, ScoreResult, TreeExecutor
+from .vision import Image, VisionBatch
 
 __all__ = [
     "MODES",
@@ -24,6 +26,7 @@ __all__ = [
     "ContextParallelReplay",
     "ContextParallelResult",
     "ExecMode",
+    "Image",
     "ModelAdapter",
     "PromptGrad",
     "RouterLoss",
@@ -31,5 +34,6 @@ __all__ = [
     "TreeExecutor",
     "Unit",
     "UnsupportedModelError",
+    "VisionBatch",
     "plan",
 ]

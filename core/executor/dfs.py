@@ -148,11 +148,10 @@ class DepthFirstPass:
         for b, u in enumerate(batch):
             ids[b, : len(u.tokens)] = u.tokens
         start = batch[0].start
-        pos = torch.arange(start, start + width, device=self.device).expand(len(batch), -1)
         cache = self.adapter.make_cache(self.past, self.past_len, batch=len(batch), pieces=self.pieces)
         with torch.set_grad_enabled(self.grad):
             routers = self._routers()
-            hidden = self.adapter.hidden(ids.to(self.device), pos, cache=cache, routers=routers)
+            hidden = self._hidden(ids.to(self.device), start, [u.node for u in batch], cache, routers)
             term = None
             if routers is not None:
                 nodes = token_nodes([u.node for u in batch], [len(u.tokens) for u in batch], width)
@@ -197,16 +196,25 @@ class DepthFirstPass:
                 f"internal: cache holds {self.past_len} positions but the unit starts at {unit.start}"
             )
         ids = unit.tokens.to(self.device).unsqueeze(0)
-        pos = torch.arange(unit.start, unit.start + len(unit.tokens), device=self.device).unsqueeze(0)
         cache = self.adapter.make_cache(self.past, self.past_len, pieces=self.pieces)
         routers = self._routers()
-        hidden = self.adapter.hidden(ids, pos, cache=cache, routers=routers)
+        hidden = self._hidden(ids, unit.start, [unit.node], cache, routers)
         term = (
             self.router.record(routers, torch.full((len(unit.tokens),), unit.node))
             if routers is not None
             else None
         )
         return hidden, recorded(cache), term
+
+    def _hidden(self, ids: torch.Tensor, start: int, nodes: list[int], cache, routers) -> torch.Tensor:
+        """``[B, n, hidden]`` of ``[B, n]`` ids whose column 0 is at ``start``; ``nodes``: per row, its
+        forest node (a batch's image rows and multimodal positions, :mod:`.vision`)."""
+        vision = self.ex.vision
+        if vision is None:
+            pos = torch.arange(start, start + ids.shape[1], device=self.device).expand(ids.shape[0], -1)
+            return self.adapter.hidden(ids, pos, cache=cache, routers=routers)
+        embeds, pos = vision.inputs(self.adapter.base.get_input_embeddings(), ids, start, nodes)
+        return self.adapter.hidden(None, pos, cache=cache, routers=routers, inputs_embeds=embeds)
 
     def _routers(self) -> list | None:
         """A list for the next forward's router logits, or None when this forward records none."""

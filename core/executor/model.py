@@ -150,16 +150,19 @@ class ModelAdapter:
         cache=None,
         attention_mask: torch.Tensor | None = None,
         routers: list[torch.Tensor] | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final hidden states (after the last norm).
 
         Args:
-            input_ids: ``[B, n]``.
-            position_ids: ``[B, n]``.
+            input_ids: ``[B, n]`` (None with ``inputs_embeds``).
+            position_ids: ``[B, n]`` (``[3, B, n]`` for multimodal RoPE).
             cache: ancestors' keys/values, or None.
             attention_mask: optional 4D mask ``[1, 1, n, ctx + n]`` (packed mode).
             routers: a list that receives the MoE layers' router logits (``[B * n, E]`` each;
                 ``output_router_logits=True``).
+            inputs_embeds: ``[B, n, hidden]`` in place of ``input_ids`` (image rows spliced in,
+                :mod:`forkrl.core.executor.vision`).
 
         Returns:
             ``[B, n, hidden]``.
@@ -170,7 +173,11 @@ class ModelAdapter:
         if self.takes_positions:  # else no positional encoding: the state carries the order
             kwargs["position_ids"] = position_ids
         with continuing(self.scan_mixers, cache):
-            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            if inputs_embeds is not None:
+                kwargs["inputs_embeds"] = inputs_embeds
+            else:
+                kwargs["input_ids"] = input_ids
+            out = self.decoder(attention_mask=attention_mask, **kwargs)
         if cache is not None:
             check_pieces_used(cache, self.name)
         if routers is not None:

@@ -34,6 +34,7 @@ from .head import CoefficientFn, ScoredHead, StaticCoefficients
 from .model import HEAD_PRECISIONS, HeadPrecision, ModelAdapter
 from .packed import check_packed, run_packed
 from .router import RouterLoss, RouterPass
+from .vision import VisionBatch
 
 logger = logging.getLogger(__name__)
 
@@ -168,13 +169,18 @@ class TreeExecutor:
         if mode == "packed":
             check_packed(self.adapter)
         self._warned_checkpointing = False
+        self.vision: VisionBatch | None = None  # the images of the pass running (module vision)
         self._probed = False
         self._router_probed = False
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
     def score(
-        self, forest: PrefixForest, entropy: bool = False, router: RouterLoss | None = None
+        self,
+        forest: PrefixForest,
+        entropy: bool = False,
+        router: RouterLoss | None = None,
+        vision: VisionBatch | None = None,
     ) -> ScoreResult:
         """Log-probs (and entropies) of every scored token, without grad.
 
@@ -183,13 +189,15 @@ class TreeExecutor:
             entropy: also return the entropy of each predicting distribution.
             router: a :class:`RouterLoss` bound to ``forest``: this pass also counts its top-k
                 assignments (so a following :meth:`backward` needs no counting pass of its own).
+            vision: the batch's images (a vision-language model; ``forest`` built from its
+                ``sequences``), :class:`~forkrl.core.executor.vision.VisionBatch`.
 
         Returns:
             :class:`ScoreResult`, one ``[len_i - score_from_i]`` tensor per sequence.
         """
-        self._check_forest(forest)
+        self._check_forest(forest, vision)
         self._check_router(forest, router)
-        lp, ent = self._run(forest, grad=False, entropy=entropy, coef=None, router=router)
+        lp, ent = self._run(forest, grad=False, entropy=entropy, coef=None, router=router, vision=vision)
         return self._result(forest, lp, ent)
 
     def backward(
@@ -200,6 +208,7 @@ class TreeExecutor:
         coefficient_fn: CoefficientFn | None = None,
         entropy: bool = False,
         router: RouterLoss | None = None,
+        vision: VisionBatch | None = None,
     ) -> ScoreResult:
         """Accumulate into ``param.grad`` the gradient of a linear functional of the log-probs.
 
@@ -223,6 +232,8 @@ class TreeExecutor:
                 batch) is added too. Its top-k counts come from an earlier :meth:`score` with the
                 same ``router``, else from a decoder-only no-grad pass first (packed mode: the
                 pass's own forward). Its values are ``router.values()`` afterwards.
+            vision: the batch's images (``forest`` built from its ``sequences``): the image rows'
+                gradient then flows through the vision tower once, at the end.
 
         Returns:
             The detached log-probs (and entropies) the pass computed.
@@ -240,11 +251,13 @@ class TreeExecutor:
             )
         if (grad_logprobs is None) == (coefficient_fn is None):
             raise ValueError("give exactly one of grad_logprobs or coefficient_fn")
-        self._check_forest(forest)
+        self._check_forest(forest, vision)
         self._check_router(forest, router)
         coef = coefficient_fn or self._static(forest, grad_logprobs, grad_entropies)
         entropy = entropy or grad_entropies is not None
-        lp, ent = self._run(forest, grad=True, entropy=entropy, coef=coef, router=router)
+        lp, ent = self._run(forest, grad=True, entropy=entropy, coef=coef, router=router, vision=vision)
+        if vision is not None:
+            vision.finish()
         return self._result(forest, lp, ent)
 
     @property
@@ -277,9 +290,12 @@ class TreeExecutor:
             coefs.append(c.to(self.dtype))
         return StaticCoefficients(coefs[0], coefs[1])
 
-    def _check_forest(self, forest: PrefixForest) -> None:
+    def _check_forest(self, forest: PrefixForest, vision: VisionBatch | None = None) -> None:
         if not isinstance(forest, PrefixForest):
             raise TypeError(f"expected a PrefixForest, got {type(forest).__name__}")
+        if vision is not None:
+            vision.check(forest, self.mode)
+            return
         limit = getattr(self.adapter.config, "max_position_embeddings", None)
         longest = max(forest.lengths)
         if limit is not None and longest > limit:
@@ -317,12 +333,25 @@ class TreeExecutor:
         router.attach(self.model)
 
     def _run(
-        self, forest: PrefixForest, grad: bool, entropy: bool, coef: CoefficientFn | None, router=None
+        self,
+        forest: PrefixForest,
+        grad: bool,
+        entropy: bool,
+        coef: CoefficientFn | None,
+        router=None,
+        vision=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.verify()
         if router is not None and not self._router_probed:
             self._probe_router()
-        return self._pass(forest, grad, entropy, coef, router)
+        if vision is None:
+            return self._pass(forest, grad, entropy, coef, router)
+        vision.bind(forest)
+        self.vision = vision
+        try:
+            return self._pass(forest, grad, entropy, coef, router)
+        finally:
+            self.vision = None
 
     def verify(self) -> TreeExecutor:
         """Run the first-use probe now (see :meth:`_probe`; otherwise the first pass runs it).

@@ -1,0 +1,280 @@
+"""Images in a tree: each unique image through the vision tower once, its rows a shared prefix's input.
+
+A vision-language model's prompt holds an image as a run of placeholder tokens whose input
+embeddings the model replaces by the vision tower's output rows. Every response of a group shares
+the image, so the tree computes the vision tower once per unique image and the image's rows once
+per shared prefix. :class:`VisionBatch` prepares one batch:
+
+1. **Unique images.** Images are keyed by their pixels and grid; each unique image runs through the
+   model's own ``get_image_features`` once (``[rows_j, hidden]``), with grad when the vision tower
+   trains. The rows of all images form one tensor ``F`` ``[rows, hidden]``; the tree reads a detached
+   leaf of it, whose gradient accumulates from every unit that reads a row, and :meth:`finish` runs
+   the vision tower's backward once with that gradient (a frozen tower: no graph, no backward).
+2. **Virtual token ids.** In the sequences the forest is built from, the ``k``-th placeholder of an
+   image whose rows start at ``r`` in ``F`` becomes ``vocab + r + k``: two prompts of equal text and
+   different images differ there (so they do not share a prefix past it), the same image in two
+   prompts gives equal ids (they do). A unit's input embedding is the model's token embedding for
+   real ids and ``F[id - vocab]`` for virtual ones (what the model's ``masked_scatter`` puts there).
+3. **Positions as the model computes them.** Qwen2-VL's and Qwen2.5-VL's multimodal RoPE gives each
+   token three position ids from the image grid (:meth:`get_rope_index`), and the text after an
+   image continues from the grid's largest, not from its depth. Each sequence's ``[3, T]`` positions
+   are computed once by the model's own function; a unit takes its node's span from a sequence
+   through that node (all such sequences have the same prefix, so the same positions there).
+
+Supported: Qwen2-VL and Qwen2.5-VL (images; M-RoPE) in keep and replay modes. Refused with
+:class:`UnsupportedModelError`: video, packed mode, and models whose image features enter the
+decoder elsewhere than its input (Qwen3-VL's deepstack) or that attend bidirectionally over an image
+(Gemma 3).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import UnsupportedModelError
+
+__all__ = ["Image", "VisionBatch"]
+
+_SUPPORTED = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+
+
+@dataclass
+class Image:
+    """One image as the model's processor gives it.
+
+    Attributes:
+        pixel_values: ``[patches, channels * temporal_patch * patch * patch]``.
+        grid_thw: ``[3]`` the patch grid (temporal, height, width).
+    """
+
+    pixel_values: torch.Tensor
+    grid_thw: torch.Tensor
+
+    def key(self) -> str:
+        """Equal for equal pixels and grid (computed once per object)."""
+        cached = self.__dict__.get("_key")
+        if cached is not None:
+            return cached
+        pixels = self.pixel_values.detach().contiguous().cpu()
+        digest = hashlib.sha1(pixels.view(torch.uint8).numpy().tobytes())
+        digest.update(str((tuple(pixels.shape), str(pixels.dtype), self.grid_thw.tolist())).encode())
+        self.__dict__["_key"] = digest.hexdigest()
+        return self.__dict__["_key"]
+
+
+class VisionBatch:
+    """A batch's images for tree passes of one vision-language model (module docstring).
+
+    Build it with :meth:`prepare`, build the forest from :attr:`sequences`, and give it to
+    :meth:`TreeExecutor.score` / :meth:`TreeExecutor.backward`; after a gradient pass,
+    :meth:`finish` (the executor calls it) backpropagates the image rows' gradient through the
+    vision tower once.
+
+    Attributes:
+        sequences: ``[T_i]`` token ids per sequence, image placeholders replaced by virtual ids.
+        positions: ``[3, T_i]`` the model's position ids per sequence.
+        vocab: the first virtual id (the model's vocabulary size).
+        unique_images: how many distinct images the batch holds (vision tower forwards).
+    """
+
+    def __init__(
+        self,
+        sequences: list[torch.Tensor],
+        positions: list[torch.Tensor],
+        vocab: int,
+        rows: torch.Tensor,
+        graph: torch.Tensor | None,
+        unique_images: int,
+    ) -> None:
+        self.sequences, self.positions, self.vocab = sequences, positions, vocab
+        self.rows = rows  # [rows, hidden]: the leaf the tree reads (requires grad when training)
+        self._graph = graph  # the same rows in the vision tower's graph, or None
+        self.unique_images = unique_images
+        self._through: list[int] | None = None
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def prepare(
+        cls,
+        model: nn.Module,
+        sequences: Sequence[torch.Tensor | Sequence[int]],
+        images: Sequence[Sequence[Image]],
+        grad: bool = True,
+    ) -> VisionBatch:
+        """Run each unique image through the vision tower and rewrite the sequences.
+
+        Args:
+            model: a supported vision-language model (``*ForConditionalGeneration``).
+            sequences: ``[T_i]`` token ids per sequence, as the model's processor makes them (each
+                image a run of the model's ``image_token_id``).
+            images: per sequence, its images in the order they appear.
+            grad: whether a gradient pass follows (the vision tower's graph is kept when it trains).
+
+        Raises:
+            UnsupportedModelError: for a model this module does not support.
+            ValueError: when a sequence's placeholders do not match its images' sizes.
+        """
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        check_model(base)
+        config = base.config
+        image_token = int(config.image_token_id)
+        vocab = int(base.get_input_embeddings().weight.shape[0])
+        seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1).cpu() for s in sequences]
+        if len(images) != len(seqs):
+            raise ValueError(f"{len(seqs)} sequences but images for {len(images)}")
+        _check_placeholders(config, seqs, images)
+        unique: dict[str, int] = {}
+        ordered: list[Image] = []
+        for img in (img for imgs in images for img in imgs):
+            if unique.setdefault(img.key(), len(ordered)) == len(ordered):
+                ordered.append(img)
+        trains = grad and any(p.requires_grad for p in _vision_tower(base).parameters())
+        per_image = _features(base, ordered, trains)
+        graph = torch.cat(per_image) if per_image else base.get_input_embeddings().weight[:0]
+        starts = [0]
+        for feats in per_image:
+            starts.append(starts[-1] + feats.shape[0])
+        tree_seqs = []
+        for seq, imgs in zip(seqs, images, strict=True):
+            tree, where, k = seq.clone(), (seq == image_token).nonzero().flatten(), 0
+            for img in imgs:
+                j = unique[img.key()]
+                n = per_image[j].shape[0]
+                tree[where[k : k + n]] = vocab + starts[j] + torch.arange(n)
+                k += n
+            tree_seqs.append(tree)
+        positions = [
+            _positions(base, seq, imgs, image_token).cpu() for seq, imgs in zip(seqs, images, strict=True)
+        ]
+        rows = graph.detach().requires_grad_(trains)
+        return cls(tree_seqs, positions, vocab, rows, graph if trains else None, len(ordered))
+
+    # ------------------------------------------------------------------ in a pass
+    def check(self, forest, mode: str) -> None:
+        """Raise before a pass when ``forest`` is not this batch's or the mode cannot take images."""
+        if mode == "packed":
+            raise UnsupportedModelError(
+                "images on a tree run in keep or replay mode (the packed tree mask takes token ids): use "
+                "mode='keep' or 'replay'"
+            )
+        if forest.num_sequences != len(self.sequences) or any(
+            not torch.equal(forest.sequence_tokens(i), s) for i, s in enumerate(self.sequences)
+        ):
+            raise ValueError(
+                "the forest was not built from this VisionBatch's sequences: build it from .sequences"
+            )
+
+    def bind(self, forest) -> None:
+        """Remember, per forest node, one sequence through it (whose positions the node takes)."""
+        through = [-1] * len(forest.nodes)
+        for node in reversed(forest.nodes):  # children come after their parents
+            if node.owners:
+                through[node.index] = node.owners[0]
+            elif node.children:
+                through[node.index] = through[node.children[0]]
+        self._through = through
+
+    def inputs(
+        self, embed: nn.Module, ids: torch.Tensor, start: int, nodes: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A unit's (or a batch of sibling leaves') input embeddings and position ids.
+
+        Args:
+            embed: the model's token embedding.
+            ids: ``[B, n]`` tree token ids (real or virtual; right padding with 0 after a short row).
+            start: the absolute position of column 0.
+            nodes: per row, the forest node it belongs to.
+
+        Returns:
+            ``([B, n, hidden] inputs_embeds, [3, B, n] position_ids)``.
+        """
+        if self._through is None:
+            raise RuntimeError("internal: VisionBatch.bind(forest) was not called before the pass")
+        virtual = ids >= self.vocab
+        embeds = embed(torch.where(virtual, torch.zeros_like(ids), ids))
+        if bool(virtual.any()):
+            rows = self.rows.to(embeds.device, embeds.dtype)[(ids - self.vocab).clamp(min=0)]
+            embeds = torch.where(virtual[..., None], rows, embeds)
+        n = ids.shape[1]
+        pos = []
+        for node in nodes:
+            full = self.positions[self._through[node]]
+            span = full[:, start : start + n]
+            if span.shape[1] < n:  # the padding after a short leaf: positions past its end
+                extra = span[:, -1:] + torch.arange(1, n - span.shape[1] + 1)
+                span = torch.cat([span, extra], dim=1)
+            pos.append(span)
+        return embeds, torch.stack(pos, dim=1).to(ids.device)
+
+    def finish(self) -> None:
+        """After a gradient pass: the image rows' accumulated gradient through the vision tower, once."""
+        if self._graph is not None and self.rows.grad is not None:
+            torch.autograd.backward(self._graph, self.rows.grad.to(self._graph.dtype))
+        self._graph = None
+
+
+def check_model(base: nn.Module) -> None:
+    """Raise :class:`UnsupportedModelError` unless ``base`` is a vision-language model this module serves."""
+    name = type(base).__name__
+    if name not in _SUPPORTED:
+        raise UnsupportedModelError(
+            f"{name}: forkrl's tree takes images for {', '.join(_SUPPORTED)} (image rows at the decoder's input, "
+            "multimodal RoPE); train this model without tree_packing"
+        )
+
+
+def _check_placeholders(config, seqs: list[torch.Tensor], images: Sequence[Sequence[Image]]) -> None:
+    """Each sequence's image placeholders match its images' row counts; no video."""
+    image_token, video_token = int(config.image_token_id), getattr(config, "video_token_id", None)
+    merge = int(config.vision_config.spatial_merge_size) ** 2
+    for i, (seq, imgs) in enumerate(zip(seqs, images, strict=True)):
+        if video_token is not None and bool((seq == int(video_token)).any()):
+            raise UnsupportedModelError(
+                f"sequence {i} holds video tokens: forkrl's tree takes images only; train videos without "
+                "tree_packing"
+            )
+        want = sum(int(img.grid_thw.prod()) // merge for img in imgs)
+        have = int((seq == image_token).sum())
+        if want != have:
+            raise ValueError(
+                f"sequence {i} has {have} image placeholder tokens but its {len(imgs)} image(s) make {want} "
+                "rows: pass each sequence's images in order, as the processor made them"
+            )
+
+
+def _features(base: nn.Module, images: list[Image], grad: bool) -> list[torch.Tensor]:
+    """``[rows_j, hidden]`` per image: the model's ``get_image_features``, all images in one call."""
+    if not images:
+        return []
+    device = base.get_input_embeddings().weight.device
+    with torch.set_grad_enabled(grad):
+        out = base.get_image_features(
+            torch.cat([img.pixel_values for img in images]).to(device),
+            torch.stack([img.grid_thw for img in images]).to(device),
+            return_dict=True,
+        )
+    return list(out.pooler_output)
+
+
+def _vision_tower(base: nn.Module) -> nn.Module:
+    inner = getattr(base, "model", base)
+    return inner.visual
+
+
+def _positions(base: nn.Module, seq: torch.Tensor, images: Sequence[Image], image_token: int) -> torch.Tensor:
+    """``[3, T]``: the model's own position ids of one whole sequence."""
+    device = base.get_input_embeddings().weight.device
+    if not images:
+        return torch.arange(len(seq)).expand(3, -1)
+    ids = seq.to(device)[None]
+    pos, _ = base.model.get_rope_index(
+        ids,
+        mm_token_type_ids=(ids == image_token).int(),
+        image_grid_thw=torch.stack([img.grid_thw for img in images]).to(device),
+    )
+    return pos[:, 0]

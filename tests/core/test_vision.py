@@ -1,0 +1,203 @@
+"""Images on a tree (:mod:`forkrl.core.executor.vision`): Qwen2-VL and Qwen2.5-VL, float64, against
+the model's own per-sequence forward with its pixel values (vision tower, ``masked_scatter``,
+multimodal RoPE from ``get_rope_index``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forkrl.core import PrefixForest, TreeExecutor, UnsupportedModelError
+from forkrl.core.executor.vision import Image, VisionBatch
+from forkrl.core.testing import Float64Mode
+from forkrl.core.testing.models import grads, max_rel_err
+
+IMAGE, VIDEO, START, END = 290, 291, 288, 289
+
+
+def _model(family: str, seed: int = 0, frozen_vision: bool = False):
+    import transformers
+
+    text = dict(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0},
+    )  # fmt: skip
+    vision = dict(
+        depth=2, hidden_size=32, num_heads=4, patch_size=2, spatial_merge_size=2, temporal_patch_size=2
+    )
+    if family == "qwen2_vl":
+        vision.update(embed_dim=32, mlp_ratio=2)
+        config = transformers.Qwen2VLConfig(
+            text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=VIDEO,
+            vision_start_token_id=START, vision_end_token_id=END,
+        )  # fmt: skip
+        cls = transformers.Qwen2VLForConditionalGeneration
+    else:
+        vision.update(intermediate_size=64, out_hidden_size=32, fullatt_block_indexes=[1], window_size=8)
+        config = transformers.Qwen2_5_VLConfig(
+            text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=VIDEO,
+            vision_start_token_id=START, vision_end_token_id=END,
+        )  # fmt: skip
+        cls = transformers.Qwen2_5_VLForConditionalGeneration
+    torch.manual_seed(seed)
+    model = cls(config).double().eval()
+    if frozen_vision:
+        model.model.visual.requires_grad_(False)
+    return model
+
+
+def _image(seed: int, h: int = 4, w: int = 4) -> Image:
+    g = torch.Generator().manual_seed(seed)
+    return Image(torch.randn(h * w, 3 * 2 * 2 * 2, generator=g, dtype=torch.float64), torch.tensor([1, h, w]))
+
+
+def _batch():
+    """Two GRPO groups whose prompts have the same text and different images, one image twice in a
+    prompt, and a text-only row: ``(sequences, images, score_from)``."""
+    g = torch.Generator().manual_seed(1)
+    rand = lambda n: torch.randint(0, 250, (n,), generator=g).tolist()  # noqa: E731
+    img_a, img_b = _image(1), _image(2, 4, 8)
+    text = rand(5)
+    prompt_a = [1, 2, START] + [IMAGE] * 4 + [END] + text
+    prompt_b = [1, 2, START] + [IMAGE] * 8 + [END] + text
+    prompt_c = [1, START] + [IMAGE] * 4 + [END, 9, START] + [IMAGE] * 4 + [END] + text  # image a twice
+    rows = [(prompt_a, [img_a], rand(3 + k)) for k in range(3)]
+    rows += [(prompt_b, [img_b], rand(2 + k)) for k in range(2)]
+    rows += [(prompt_c, [img_a, img_a], rand(4)), (text, [], rand(3))]
+    return [p + r for p, _, r in rows], [i for _, i, _ in rows], [len(p) for p, _, _ in rows]
+
+
+def _dense(model, sequences, images, score_from, coefs):
+    """The model's own forward per sequence; returns log-probs and accumulates the gradient."""
+    lps = []
+    for seq, imgs, sf, c in zip(sequences, images, score_from, coefs, strict=True):
+        ids = torch.tensor(seq)[None]
+        kwargs = {}
+        if imgs:
+            kwargs = dict(
+                pixel_values=torch.cat([i.pixel_values for i in imgs]),
+                image_grid_thw=torch.stack([i.grid_thw for i in imgs]),
+                mm_token_type_ids=(ids == IMAGE).int(),
+            )
+        logits = model(input_ids=ids, use_cache=False, **kwargs).logits[0]
+        lp = torch.log_softmax(logits.float(), -1)[sf - 1 : -1].gather(-1, ids[0, sf:, None])[
+            :, 0
+        ]  # as hosts do
+        (lp * c).sum().backward()
+        lps.append(lp.detach())
+    return lps
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("mode", ["keep", "replay"])
+def test_images_on_a_tree_equal_the_models_forward(family, mode):
+    """Log-probs and every parameter's gradient (vision tower included) equal the model's own
+    per-sequence forward and backward in float64; each unique image runs through the tower once;
+    prompts of equal text and different images do not share past the image."""
+    sequences, images, score_from = _batch()
+    g = torch.Generator().manual_seed(3)
+    coefs = [
+        torch.randn(len(s) - sf, generator=g, dtype=torch.float64)
+        for s, sf in zip(sequences, score_from, strict=True)
+    ]
+    with Float64Mode():
+        model = _model(family)
+        want = _dense(model, sequences, images, score_from, coefs)
+        want_grads = grads(model)
+        model.zero_grad(set_to_none=True)
+        calls = []
+        handle = model.model.visual.register_forward_hook(lambda *a: calls.append(1))
+        vision = VisionBatch.prepare(model, sequences, images)
+        forest = PrefixForest.build(vision.sequences, score_from)
+        ex = TreeExecutor(model, mode=mode, block_size=3 if mode == "replay" else None)
+        scored = ex.score(forest, vision=VisionBatch.prepare(model, sequences, images, grad=False))
+        got = ex.backward(forest, grad_logprobs=coefs, vision=vision)
+        handle.remove()
+    assert vision.unique_images == 2 and len(calls) == 2  # one prepare per pass: each ran the tower once
+    assert forest.unique_tokens < forest.dense_tokens
+    # the two groups share the text before the image only: [1, 2, START]
+    a, b = forest.paths[0], forest.paths[3]
+    shared = [n for n in a if n in b]
+    assert sum(len(forest.nodes[n].tokens) for n in shared) == 3, shared
+    assert max_rel_err(scored.logprobs, want) < 1e-12
+    assert max_rel_err(got.logprobs, want) < 1e-12
+    err = max_rel_err(grads(model), want_grads)
+    assert err < 1e-10, err
+    visual = [p.grad for p in model.model.visual.parameters()]
+    assert all(v is not None and v.abs().sum() > 0 for v in visual)
+
+
+def test_a_frozen_vision_tower_gets_no_backward():
+    """With the vision tower frozen the tree keeps no vision graph (as stock computes no gradient
+    there) and the language model's gradient still equals the model's own."""
+    sequences, images, score_from = _batch()
+    coefs = [
+        torch.ones(len(s) - sf, dtype=torch.float64) for s, sf in zip(sequences, score_from, strict=True)
+    ]
+    with Float64Mode():
+        model = _model("qwen2_vl", frozen_vision=True)
+        _dense(model, sequences, images, score_from, coefs)
+        want = grads(model)
+        model.zero_grad(set_to_none=True)
+        vision = VisionBatch.prepare(model, sequences, images)
+        assert vision._graph is None and not vision.rows.requires_grad
+        forest = PrefixForest.build(vision.sequences, score_from)
+        TreeExecutor(model).backward(forest, grad_logprobs=coefs, vision=vision)
+    assert max_rel_err(grads(model), want) < 1e-10
+    assert all(p.grad is None for p in model.model.visual.parameters())
+
+
+def test_refusals_name_the_way_out_and_change_nothing():
+    sequences, images, score_from = _batch()
+    model = _model("qwen2_vl")
+    vision = VisionBatch.prepare(model, sequences, images)
+    forest = PrefixForest.build(vision.sequences, score_from)
+    coefs = [
+        torch.ones(len(s) - sf, dtype=torch.float64) for s, sf in zip(sequences, score_from, strict=True)
+    ]
+    with pytest.raises(UnsupportedModelError, match="keep or replay mode"):
+        TreeExecutor(model, mode="packed").backward(forest, grad_logprobs=coefs, vision=vision)
+    plain = PrefixForest.build(sequences, score_from)  # image placeholders, not the batch's ids
+    with pytest.raises(ValueError, match="build it from .sequences"):
+        TreeExecutor(model).backward(plain, grad_logprobs=coefs, vision=vision)
+    assert all(p.grad is None for p in model.parameters())  # nothing was accumulated
+    with pytest.raises(ValueError, match="has 4 image placeholder tokens but its 0 image"):
+        VisionBatch.prepare(model, sequences[:1], [[]])
+    with pytest.raises(UnsupportedModelError, match="video tokens"):
+        VisionBatch.prepare(model, [[1, VIDEO, 2]], [[]])
+    from forkrl.core.testing.models import byte_llama
+
+    with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM: forkrl's tree takes images for"):
+        VisionBatch.prepare(byte_llama(0), [[1, 2]], [[]])
+
+
+@pytest.mark.parametrize("mode", ["keep", "replay"])
+def test_images_on_a_tree_follow_bf16_autocast(mode):
+    """Under bf16 autocast over float32 weights the tree is a bf16 computation as accurate as the
+    model's own (the precision tests' criterion, on the log-probs and on all gradients)."""
+    from forkrl.core.testing import Bf16Rounding
+
+    sequences, images, score_from = _batch()
+    g = torch.Generator().manual_seed(3)
+    coefs = [torch.randn(len(s) - sf, generator=g) for s, sf in zip(sequences, score_from, strict=True)]
+    images = [[Image(i.pixel_values.float(), i.grid_thw) for i in imgs] for imgs in images]
+    model = _model("qwen2_5_vl").float()
+
+    def dense(autocast: bool):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            lps = _dense(model, sequences, images, score_from, coefs)
+        return torch.cat(lps), torch.cat([t.flatten() for t in grads(model)])
+
+    (exact_lp, exact_g), (stock_lp, stock_g) = dense(False), dense(True)
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        vision = VisionBatch.prepare(model, sequences, images)
+        forest = PrefixForest.build(vision.sequences, score_from)
+        got = TreeExecutor(model, mode=mode, block_size=3 if mode == "replay" else None).backward(
+            forest, grad_logprobs=coefs, vision=vision
+        )
+    tree_g = torch.cat([t.flatten() for t in grads(model)])
+    Bf16Rounding(f"{mode} log-probs", torch.cat(got.logprobs), stock_lp, exact_lp).check_follows(near=1.5)
+    Bf16Rounding(f"{mode} gradient", tree_g, stock_g, exact_g).check_follows(near=1.5)
