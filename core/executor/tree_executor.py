@@ -170,6 +170,7 @@ class TreeExecutor:
             check_packed(self.adapter)
         self._warned_checkpointing = False
         self.vision: VisionBatch | None = None  # the images of the pass running (module vision)
+        self._bound_vision: VisionBatch | None = None  # the default of calls inside images()
         self._probed = False
         self._router_probed = False
 
@@ -195,6 +196,7 @@ class TreeExecutor:
         Returns:
             :class:`ScoreResult`, one ``[len_i - score_from_i]`` tensor per sequence.
         """
+        vision = vision if vision is not None else self._bound_vision
         self._check_forest(forest, vision)
         self._check_router(forest, router)
         lp, ent = self._run(forest, grad=False, entropy=entropy, coef=None, router=router, vision=vision)
@@ -251,6 +253,7 @@ class TreeExecutor:
             )
         if (grad_logprobs is None) == (coefficient_fn is None):
             raise ValueError("give exactly one of grad_logprobs or coefficient_fn")
+        vision = vision if vision is not None else self._bound_vision
         self._check_forest(forest, vision)
         self._check_router(forest, router)
         coef = coefficient_fn or self._static(forest, grad_logprobs, grad_entropies)
@@ -259,6 +262,16 @@ class TreeExecutor:
         if vision is not None:
             vision.finish()
         return self._result(forest, lp, ent)
+
+    @contextlib.contextmanager
+    def images(self, vision: VisionBatch | None) -> Iterator[None]:
+        """Calls of :meth:`score` and :meth:`backward` inside the block take ``vision`` (for a caller
+        that hands the executor through layers that know nothing of images)."""
+        previous, self._bound_vision = self._bound_vision, vision
+        try:
+            yield
+        finally:
+            self._bound_vision = previous
 
     @property
     def device(self) -> torch.device:

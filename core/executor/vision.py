@@ -105,6 +105,7 @@ class VisionBatch:
         sequences: Sequence[torch.Tensor | Sequence[int]],
         images: Sequence[Sequence[Image]],
         grad: bool = True,
+        token_types: Sequence[torch.Tensor] | None = None,
     ) -> VisionBatch:
         """Run each unique image through the vision tower and rewrite the sequences.
 
@@ -114,6 +115,11 @@ class VisionBatch:
                 image a run of the model's ``image_token_id``).
             images: per sequence, its images in the order they appear.
             grad: whether a gradient pass follows (the vision tower's graph is kept when it trains).
+            token_types: per sequence, ``[T_i]`` the processor's ``mm_token_type_ids`` (0 text, 1
+                image, 2 video; a host extends them with 0 over the completion): which tokens are
+                placeholders. Without them every ``image_token_id`` is one and a ``video_token_id``
+                is refused; with them a generated token equal to either is text, as the model's
+                forward treats it.
 
         Raises:
             UnsupportedModelError: for a model this module does not support.
@@ -122,12 +128,12 @@ class VisionBatch:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         check_model(base)
         config = base.config
-        image_token = int(config.image_token_id)
         vocab = int(base.get_input_embeddings().weight.shape[0])
         seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1).cpu() for s in sequences]
         if len(images) != len(seqs):
             raise ValueError(f"{len(seqs)} sequences but images for {len(images)}")
-        _check_placeholders(config, seqs, images)
+        types = _types(config, seqs, token_types)
+        _check_placeholders(config, types, images)
         unique: dict[str, int] = {}
         ordered: list[Image] = []
         for img in (img for imgs in images for img in imgs):
@@ -140,8 +146,8 @@ class VisionBatch:
         for feats in per_image:
             starts.append(starts[-1] + feats.shape[0])
         tree_seqs = []
-        for seq, imgs in zip(seqs, images, strict=True):
-            tree, where, k = seq.clone(), (seq == image_token).nonzero().flatten(), 0
+        for seq, kinds, imgs in zip(seqs, types, images, strict=True):
+            tree, where, k = seq.clone(), (kinds == 1).nonzero().flatten(), 0
             for img in imgs:
                 j = unique[img.key()]
                 n = per_image[j].shape[0]
@@ -149,7 +155,7 @@ class VisionBatch:
                 k += n
             tree_seqs.append(tree)
         positions = [
-            _positions(base, seq, imgs, image_token).cpu() for seq, imgs in zip(seqs, images, strict=True)
+            _positions(base, s, t, imgs).cpu() for s, t, imgs in zip(seqs, types, images, strict=True)
         ]
         rows = graph.detach().requires_grad_(trains)
         return cls(tree_seqs, positions, vocab, rows, graph if trains else None, len(ordered))
@@ -228,18 +234,37 @@ def check_model(base: nn.Module) -> None:
         )
 
 
-def _check_placeholders(config, seqs: list[torch.Tensor], images: Sequence[Sequence[Image]]) -> None:
-    """Each sequence's image placeholders match its images' row counts; no video."""
+def _types(config, seqs: list[torch.Tensor], given: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+    """Per sequence ``[T_i]`` token types (0 text, 1 image, 2 video): the given ones, or from the ids."""
+    if given is not None:
+        if len(given) != len(seqs):
+            raise ValueError(f"{len(seqs)} sequences but token types for {len(given)}")
+        out = [torch.as_tensor(t).reshape(-1).long().cpu() for t in given]
+        for i, (t, s) in enumerate(zip(out, seqs, strict=True)):
+            if t.shape != s.shape:
+                raise ValueError(f"sequence {i}: {len(s)} tokens but {len(t)} token types")
+        return out
     image_token, video_token = int(config.image_token_id), getattr(config, "video_token_id", None)
+    out = []
+    for s in seqs:
+        kinds = (s == image_token).long()
+        if video_token is not None:
+            kinds = kinds + 2 * (s == int(video_token)).long()
+        out.append(kinds)
+    return out
+
+
+def _check_placeholders(config, types: list[torch.Tensor], images: Sequence[Sequence[Image]]) -> None:
+    """Each sequence's image placeholders match its images' row counts; no video."""
     merge = int(config.vision_config.spatial_merge_size) ** 2
-    for i, (seq, imgs) in enumerate(zip(seqs, images, strict=True)):
-        if video_token is not None and bool((seq == int(video_token)).any()):
+    for i, (kinds, imgs) in enumerate(zip(types, images, strict=True)):
+        if bool((kinds == 2).any()):
             raise UnsupportedModelError(
                 f"sequence {i} holds video tokens: forkrl's tree takes images only; train videos without "
                 "tree_packing"
             )
         want = sum(int(img.grid_thw.prod()) // merge for img in imgs)
-        have = int((seq == image_token).sum())
+        have = int((kinds == 1).sum())
         if want != have:
             raise ValueError(
                 f"sequence {i} has {have} image placeholder tokens but its {len(imgs)} image(s) make {want} "
@@ -266,7 +291,9 @@ def _vision_tower(base: nn.Module) -> nn.Module:
     return inner.visual
 
 
-def _positions(base: nn.Module, seq: torch.Tensor, images: Sequence[Image], image_token: int) -> torch.Tensor:
+def _positions(
+    base: nn.Module, seq: torch.Tensor, kinds: torch.Tensor, images: Sequence[Image]
+) -> torch.Tensor:
     """``[3, T]``: the model's own position ids of one whole sequence."""
     device = base.get_input_embeddings().weight.device
     if not images:
@@ -274,7 +301,7 @@ def _positions(base: nn.Module, seq: torch.Tensor, images: Sequence[Image], imag
     ids = seq.to(device)[None]
     pos, _ = base.model.get_rope_index(
         ids,
-        mm_token_type_ids=(ids == image_token).int(),
+        mm_token_type_ids=kinds.to(device, torch.int32)[None],
         image_grid_thw=torch.stack([img.grid_thw for img in images]).to(device),
     )
     return pos[:, 0]

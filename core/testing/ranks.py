@@ -73,9 +73,21 @@ def report(*lines: str) -> None:
 
 
 def finish() -> None:
-    """End a rank's script: wait for every rank, then destroy the process group (if any)."""
+    """End a rank's script: wait for every rank, destroy the process group (if any), and exit.
+
+    The exit skips the interpreter's teardown (``os._exit`` after flushing): everything was
+    reported, and a script that kept autograd graphs or FSDP state alive across a deliberate
+    failure was seen to abort there under load (``terminate called without an active exception``
+    from a C++ thread destroyed at interpreter exit), failing a run whose results were all in.
+    """
+    import os
+    import sys
+
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

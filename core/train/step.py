@@ -29,14 +29,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..executor import MODES, ExecMode, RouterLoss, TreeExecutor
+from ..executor import MODES, ExecMode, Image, RouterLoss, TreeExecutor, VisionBatch
 from ..objective import LossGradient, Quiet, WindowLoss, WindowResult, backward_window
 from ..tree import PrefixForest, RowLayout, Window
 from .distributed import all_ok, all_reduce_gradients, reduce_stats
 from .options import TreeOptions
 from .sharded import AliasReplica, FSDP2Replica, Gather, is_fsdp2, is_zero3
 
-__all__ = ["MODE_CODES", "StepMetrics", "StepResult", "TreeStep"]
+__all__ = ["MODE_CODES", "Images", "StepMetrics", "StepResult", "TreeStep"]
+
+#: Per row of a window, its images in order (a vision-language model; empty for a text row).
+Images = Sequence[Sequence[Image]]
 
 #: ``tree/mode`` is logged as a number (hosts average metrics): keep 0, replay 1, packed 2.
 MODE_CODES = {mode: i for i, mode in enumerate(MODES)}
@@ -185,31 +188,50 @@ class TreeStep:
 
     # ------------------------------------------------------------------ the two entry points
     def score(
-        self, model: nn.Module, layout: RowLayout, entropy: bool = False
+        self,
+        model: nn.Module,
+        layout: RowLayout,
+        entropy: bool = False,
+        images: Images | None = None,
+        token_types: Sequence[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Prefix-shared no-grad log-probs (and entropies) of one micro-batch, in its host layout.
+
+        Args:
+            images: per row, its images (a vision-language model, :mod:`forkrl.core.executor.vision`).
+            token_types: per row, which of its tokens are image placeholders (:meth:`score_window`).
 
         Returns:
             Tensors of ``layout.shape`` on the model's device, zeros at unscored slots.
         """
-        return self.score_window(model, [layout], entropy)[0]
+        return self.score_window(model, [layout], entropy, images, token_types)[0]
 
     def score_window(
-        self, model: nn.Module, window: Window | Sequence[RowLayout], entropy: bool = False
+        self,
+        model: nn.Module,
+        window: Window | Sequence[RowLayout],
+        entropy: bool = False,
+        images: Images | None = None,
+        token_types: Sequence[torch.Tensor] | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """:meth:`score` for several micro-batches at once: one forest over all their rows, so
         prefixes shared across micro-batches are computed once too.
+
+        Args:
+            images: per row of the window (in order), its images.
+            token_types: per row, ``[T_i]`` which tokens are image placeholders (the processor's
+                ``mm_token_type_ids`` over the row's tokens; see :meth:`VisionBatch.prepare`).
 
         Returns:
             Per micro-batch, its log-probs and entropies (or None) in its layout's shape.
         """
         start = time.perf_counter()
         window = window if isinstance(window, Window) else Window(window)
-        forest = window.forest()
         replica = self._replica(model)
         with replica.gathered(grad=False) if replica is not None else contextlib.nullcontext(model) as target:
             executor = self.executor(target, self.score_mode)
-            res = executor.score(forest, entropy=entropy)
+            vision, forest = _forest(target, window, images, grad=False, token_types=token_types)
+            res = executor.score(forest, entropy=entropy, vision=vision)
             device = executor.device  # a replica's parameters are freed on exit
         lps = window.flat(res.logprobs)
         ents = window.flat(res.entropies) if entropy else [None] * len(window)
@@ -233,6 +255,8 @@ class TreeStep:
         device: torch.device | str | None = None,
         lockstep: bool = False,
         router: RouterLoss | None = None,
+        images: Images | None = None,
+        token_types: Sequence[torch.Tensor] | None = None,
     ) -> StepResult:
         """Accumulate the exact gradient of one optimizer step's host loss into ``param.grad``.
 
@@ -254,15 +278,20 @@ class TreeStep:
             router: the MoE router load-balancing loss, one weight per micro-batch (bound here to
                 the step's forest); ``loss_fn`` may read ``router.values()`` (module
                 :mod:`forkrl.core.executor.router`).
+            images: per row of the window (in order), its images (a vision-language model: each
+                unique image through the vision tower once, :mod:`forkrl.core.executor.vision`).
+            token_types: per row, which of its tokens are image placeholders (:meth:`score_window`).
 
         Returns:
             :class:`StepResult`: the losses, this rank's metrics, the forest.
         """
         window = window if isinstance(window, Window) else Window(window)
-        forest = window.forest()
+        if router is not None and images is not None:
+            raise ValueError("TreeStep.train: a router loss with images is not supported; drop one of them")
+        forest = window.forest() if images is None else None
         if router is not None:
             router.bind(forest, window.rows)
-        mode = self.options.mode_for(max(forest.lengths), gradient_checkpointing)
+        mode = self.options.mode_for(max(map(len, window.sequences)), gradient_checkpointing)
         path = "general" if loss_gradient == "constant" and not self.fused_ok else loss_gradient
         replica = self._replica(model)
         if isinstance(replica, AliasReplica):
@@ -274,18 +303,27 @@ class TreeStep:
         # Under FSDP2 the step runs on a gathered plain replica, which reduces its gradients on exit.
         with replica.gathered(grad=True) if replica is not None else contextlib.nullcontext(model) as target:
             executor = self.executor(target, mode)
+            built: list = [forest]
+
+            def run() -> WindowResult:
+                vision = None
+                if images is not None:  # inside the agreement: a bad image fails on every rank
+                    vision, built[0] = _forest(target, window, images, grad=True, token_types=token_types)
+                with executor.images(vision):
+                    return backward_window(
+                        executor,
+                        built[0],
+                        window,
+                        loss_fn,
+                        path,
+                        entropy=entropy,
+                        quiet=quiet,
+                        device=device,
+                        router=router,
+                    )
+
             res = self._agreed(
-                lambda: backward_window(
-                    executor,
-                    forest,
-                    window,
-                    loss_fn,
-                    path,
-                    entropy=entropy,
-                    quiet=quiet,
-                    device=device,
-                    router=router,
-                ),
+                run,
                 executor.device,
                 process_group,
                 collective=replica is not None or data_parallel or lockstep,
@@ -296,6 +334,7 @@ class TreeStep:
                 if data_parallel
                 else "nothing was handed to the engine: its gradients are unchanged on every rank",
             )
+        forest = built[0]
         if path == "constant" and res.path != "constant":
             self.fused_ok = False
         if data_parallel and replica is None:
@@ -303,3 +342,14 @@ class TreeStep:
         score_time, self._score_time = self._score_time + res.score_time, 0.0
         metrics = StepMetrics(forest.unique_tokens, forest.dense_tokens, mode, res.backward_time, score_time)
         return StepResult(res.losses, metrics, forest, res)
+
+
+def _forest(model: nn.Module, window: Window, images: Images | None, grad: bool, token_types=None):
+    """``(vision, forest)`` of a window: without images ``(None, window.forest())``; with them the
+    images prepared (:class:`VisionBatch`) and the forest built from its sequences."""
+    if images is None:
+        return None, window.forest()
+    if len(images) != len(window.sequences):
+        raise ValueError(f"images for {len(images)} rows, but the window has {len(window.sequences)}")
+    vision = VisionBatch.prepare(model, window.sequences, images, grad=grad, token_types=token_types)
+    return vision, PrefixForest.build(vision.sequences, window.score_from)

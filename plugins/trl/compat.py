@@ -131,7 +131,12 @@ PRIVATES: tuple[HostPrivate, ...] = (
         "the MoE router loss's coefficient (its weight per micro-batch)",
         attribute=True,
     ),
-    HostPrivate("trainer", "_is_vlm", "vision-language models: refused", attribute=True),
+    HostPrivate(
+        "trainer",
+        "_is_vlm",
+        "vision-language models: the Qwen2-VL family's images on the tree, others refused",
+        attribute=True,
+    ),
     HostPrivate(
         "trainer", "_tokenizer", "pad id for the speculative sampler's left-padded prompts", attribute=True
     ),

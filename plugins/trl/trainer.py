@@ -38,7 +38,8 @@ from trl import RLOOTrainer as _TRLRLOOTrainer
 
 from forkrl.core import RowLayout, TreeStep, UnsupportedModelError
 from forkrl.core.balance import OnlineCostModel, forest_stats
-from forkrl.core.executor import RouterLoss
+from forkrl.core.executor import Image, RouterLoss
+from forkrl.core.executor.vision import check_model as check_vision_model
 from forkrl.core.speculative import SelfSpeculativeRollout
 from forkrl.core.speculative.vllm_engine import spec_decode_metrics
 from forkrl.core.train import AliasReplica, StepMetrics, StepResult, is_fsdp2
@@ -52,7 +53,7 @@ __all__ = ["GRPOTrainer", "RLOOTrainer", "TreeTrainingMixin"]
 
 logger = logging.getLogger(__name__)
 
-# Inputs of vision-language batches: the tree path is text-only.
+# Inputs of vision-language batches; the tree takes images as _IMAGE_KEYS carry them (Qwen2-VL family).
 _MULTIMODAL_KEYS = (
     "pixel_values",
     "image_grid_thw",
@@ -65,6 +66,7 @@ _MULTIMODAL_KEYS = (
     "num_images",
     "num_tiles",
 )
+_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")
 # Loss types whose gradient at ratio 1 (old log-probs = current, detached) is constant.
 _KNOWN_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 
@@ -72,6 +74,35 @@ _KNOWN_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "v
 def _layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int) -> RowLayout:
     """TRL's ``[left-padded prompt | right-padded completion]`` with ``[B, C]`` completion tensors."""
     return RowLayout.padded(input_ids, attention_mask, int(width))
+
+
+def _row_images(inputs: dict, rows: int) -> list[list[Image]] | None:
+    """Per row, its images, from TRL's fields for a micro-batch (``pixel_values`` ``[patches, d]`` of
+    all its images in order, ``image_grid_thw`` ``[images, 3]``, ``num_images`` per row); None
+    without images."""
+    pixels, grid, counts = inputs.get("pixel_values"), inputs.get("image_grid_thw"), inputs.get("num_images")
+    if pixels is None:
+        return None
+    if grid is None or counts is None or len(counts) != rows:
+        raise ValueError(
+            "tree_packing needs each image's grid (image_grid_thw) and each row's image count (num_images) "
+            f"beside pixel_values, for {rows} rows: turn tree_packing off for this model"
+        )
+    chunks = torch.split(pixels, grid.prod(-1).tolist())
+    out, k = [], 0
+    for n in counts:
+        out.append([Image(chunks[k + j], grid[k + j]) for j in range(int(n))])
+        k += int(n)
+    return out
+
+
+def _row_types(inputs: dict, attention_mask: torch.Tensor) -> list[torch.Tensor] | None:
+    """Per row, ``mm_token_type_ids`` over its real tokens (TRL's are ``[B, T]`` like the ids, zeros
+    over the completion; a generated placeholder id is text), or None when TRL passes none."""
+    types = inputs.get("mm_token_type_ids")
+    if types is None:
+        return None
+    return [t[m.bool()].cpu() for t, m in zip(types, attention_mask, strict=True)]
 
 
 class TreeTrainingMixin:
@@ -136,9 +167,11 @@ class TreeTrainingMixin:
     # ------------------------------------------------------------------ setup
     def _check_tree_setup(self) -> None:
         if self._is_vlm:
-            raise ValueError(
-                "tree_packing supports text-only causal LMs; this is a vision-language model: turn tree_packing off"
-            )
+            base = self.accelerator.unwrap_model(self.model)
+            try:
+                check_vision_model(getattr(base, "get_base_model", lambda: base)())
+            except UnsupportedModelError as err:
+                raise err.for_host("turn tree_packing off") from err
         if self.args.n_gpu > 1:
             raise ValueError(
                 "tree_packing does not support torch.nn.DataParallel (n_gpu > 1): launch one process per device "
@@ -234,17 +267,16 @@ class TreeTrainingMixin:
                 )
             # The router loss's value (its gradient is the tree's: a constant here).
             return logps, (entropies if compute_entropy else None), (aux if compute_aux_loss else None)
-        multimodal = any(v is not None for v in kwargs.values())
-        if (
-            self._tree_step is not None
-            and not torch.is_grad_enabled()
-            and not compute_aux_loss
-            and not multimodal
-        ):
+        other = [k for k, v in kwargs.items() if v is not None and k not in _IMAGE_KEYS]
+        if self._tree_step is not None and not torch.is_grad_enabled() and not compute_aux_loss and not other:
             layout = _layout(input_ids, attention_mask, logits_to_keep)
             with self.accelerator.autocast():
                 lp, ent = self._tree_step.score(
-                    self.accelerator.unwrap_model(model), layout, entropy=compute_entropy
+                    self.accelerator.unwrap_model(model),
+                    layout,
+                    entropy=compute_entropy,
+                    images=_row_images(kwargs, input_ids.shape[0]),
+                    token_types=_row_types(kwargs, attention_mask),
                 )
             return lp.to(input_ids.device), (ent.to(input_ids.device) if ent is not None else None), None
         return super()._get_per_token_logps_and_entropies(
@@ -342,20 +374,25 @@ class TreeTrainingMixin:
     def _tree_update(self, model) -> torch.Tensor:
         window, self._tree_window = self._tree_window, []
         balanced = None
-        if self._tree_balance:
+        # Rows move between ranks without their pixels: a window with images stays where TRL put it.
+        if self._tree_balance and not any(inputs.get("pixel_values") is not None for inputs, _ in window):
             device = window[0][0]["completion_ids"].device
             model_cost = self._cost_model.model
             window, balanced = balance_window(window, self._tokenizer.pad_token_id or 0, device, model_cost)
-        layouts = []
+        layouts, images, types = [], [], []
         for inputs, _ in window:
-            present = [k for k in _MULTIMODAL_KEYS if inputs.get(k) is not None]
+            present = [k for k in _MULTIMODAL_KEYS if k not in _IMAGE_KEYS and inputs.get(k) is not None]
             if present:
                 raise ValueError(
-                    f"tree_packing is text-only but the batch carries {present}: turn tree_packing off"
+                    f"tree_packing takes images as Qwen2-VL's processor gives them (pixel_values, image_grid_thw) but "
+                    f"the batch carries {present}: turn tree_packing off"
                 )
             input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
             attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
             layouts.append(_layout(input_ids, attention_mask, inputs["completion_ids"].shape[1]))
+            images.extend(_row_images(inputs, input_ids.shape[0]) or [[] for _ in range(input_ids.shape[0])])
+            row_types = _row_types(inputs, attention_mask)
+            types.extend(row_types or [torch.zeros(int(m.sum()), dtype=torch.long) for m in attention_mask])
         sync = self.accelerator.gradient_state.sync_gradients
         router = RouterLoss([self._router_weight(n) for _, n in window]) if self.aux_loss_enabled else None
 
@@ -385,6 +422,8 @@ class TreeTrainingMixin:
             gradient_checkpointing=self.args.gradient_checkpointing,
             device=window[0][0]["completion_ids"].device,
             router=router,
+            images=images if any(images) else None,
+            token_types=types if any(images) else None,
         )
         with self.accelerator.autocast():
             if self._engine_replica is None:

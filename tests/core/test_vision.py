@@ -72,18 +72,7 @@ def _dense(model, sequences, images, score_from, coefs):
     """The model's own forward per sequence; returns log-probs and accumulates the gradient."""
     lps = []
     for seq, imgs, sf, c in zip(sequences, images, score_from, coefs, strict=True):
-        ids = torch.tensor(seq)[None]
-        kwargs = {}
-        if imgs:
-            kwargs = dict(
-                pixel_values=torch.cat([i.pixel_values for i in imgs]),
-                image_grid_thw=torch.stack([i.grid_thw for i in imgs]),
-                mm_token_type_ids=(ids == IMAGE).int(),
-            )
-        logits = model(input_ids=ids, use_cache=False, **kwargs).logits[0]
-        lp = torch.log_softmax(logits.float(), -1)[sf - 1 : -1].gather(-1, ids[0, sf:, None])[
-            :, 0
-        ]  # as hosts do
+        lp = _dense_logprobs_in_graph(model, seq, imgs, sf)
         (lp * c).sum().backward()
         lps.append(lp.detach())
     return lps
@@ -201,3 +190,77 @@ def test_images_on_a_tree_follow_bf16_autocast(mode):
     tree_g = torch.cat([t.flatten() for t in grads(model)])
     Bf16Rounding(f"{mode} log-probs", torch.cat(got.logprobs), stock_lp, exact_lp).check_follows(near=1.5)
     Bf16Rounding(f"{mode} gradient", tree_g, stock_g, exact_g).check_follows(near=1.5)
+
+
+@pytest.mark.parametrize("gradient", ["general", "token_local"])
+def test_tree_step_trains_images_with_a_host_loss(gradient):
+    """:class:`TreeStep` with ``images``: a clipped-ratio host loss on padded micro-batches (the
+    rows of two micro-batches, images per row) equals the model's own forward; ``score_window``
+    equals its log-probs."""
+    from forkrl.core import RowLayout, TreeOptions, TreeStep
+
+    sequences, images, score_from = _batch()
+    split = [range(0, 4), range(4, len(sequences))]
+    layouts, masks, olds = [], [], []
+    for rows in split:
+        P = max(score_from[i] for i in rows)
+        C = max(len(sequences[i]) - score_from[i] for i in rows)
+        ids = torch.zeros(len(rows), P + C, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, i in enumerate(rows):
+            p, c = sequences[i][: score_from[i]], sequences[i][score_from[i] :]
+            ids[b, P - len(p) : P], mask[b, P - len(p) : P] = torch.tensor(p), 1
+            ids[b, P : P + len(c)], mask[b, P : P + len(c)] = torch.tensor(c), 1
+        layouts.append(RowLayout.padded(ids, mask, C))
+        masks.append(mask[:, P:].double())
+        olds.append(
+            torch.randn(len(rows), C, generator=torch.Generator().manual_seed(len(rows)), dtype=torch.float64)
+            * 0.1
+            - 4
+        )
+
+    def loss_fn(i, lp, ent):
+        ratio = torch.exp(lp - olds[i])
+        return -(torch.minimum(ratio, ratio.clamp(0.8, 1.2)) * masks[i]).sum() / masks[i].sum()
+
+    with Float64Mode():
+        model = _model("qwen2_5_vl")
+        total = 0
+        for k, rows in enumerate(split):  # the model's own forward per micro-batch (rows one by one)
+            lps = []
+            for i in rows:
+                lps.append(_dense_logprobs_in_graph(model, sequences[i], images[i], score_from[i]))
+            lp = torch.zeros_like(masks[k])
+            for b, row in enumerate(lps):
+                lp = lp.index_put((torch.tensor([b]), torch.arange(len(row))), row)
+            total = total + loss_fn(k, lp, None)
+        total.backward()
+        want = grads(model)
+        model.zero_grad(set_to_none=True)
+        step = TreeStep(TreeOptions(tree_packing=True))
+        scored = step.score_window(model, layouts, images=images)
+        step.train(model, layouts, loss_fn, loss_gradient=gradient, entropy=False, images=images)
+        refs = [
+            [_dense_logprobs_in_graph(model, sequences[i], images[i], score_from[i]).detach() for i in rows]
+            for rows in split
+        ]
+    assert max_rel_err(grads(model), want) < 1e-10
+    for k, rows in enumerate(split):
+        for b, i in enumerate(rows):
+            n = len(sequences[i]) - score_from[i]
+            assert torch.allclose(scored[k][0][b, :n], refs[k][b], rtol=0, atol=1e-10)
+
+
+def _dense_logprobs_in_graph(model, seq, imgs, sf):
+    """One sequence's scored log-probs from the model's own forward with its pixel values (the
+    log-softmax in float32, as hosts take it)."""
+    ids = torch.tensor(seq)[None]
+    kwargs = {}
+    if imgs:
+        kwargs = dict(
+            pixel_values=torch.cat([i.pixel_values for i in imgs]),
+            image_grid_thw=torch.stack([i.grid_thw for i in imgs]),
+            mm_token_type_ids=(ids == IMAGE).int(),
+        )
+    logits = model(input_ids=ids, use_cache=False, **kwargs).logits[0]
+    return torch.log_softmax(logits.float(), -1)[sf - 1 : -1].gather(-1, ids[0, sf:, None])[:, 0]

@@ -1,0 +1,122 @@
+"""TRL's GRPOTrainer on a vision-language model (a tiny Qwen2-VL and its processor, images in the
+dataset) with ``tree_packing=True``: TRL builds the batches (its processor, its seeded generation,
+its pixel values per row) and forkrl's trainer equals stock's parameters after its steps; each
+group's image runs through the vision tower once per tree pass."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from .trl_helpers import base_args, relative_difference
+
+SPECIAL = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for c in message['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|>"
+    "<|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %} "
+    "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def _reward(completions, completion_ids, **kwargs) -> list[float]:
+    """Varies within every group (the tiny model's completions rarely hold the letters of TRL's
+    usual test reward): the mean of the completion's token ids modulo 7, scaled."""
+    return [sum(t % 7 for t in ids) / (7 * max(1, len(ids))) for ids in completion_ids]
+
+
+def _processor():
+    """Qwen2-VL's processor over the byte tokenizer (its image processor's PIL backend; no video
+    processor: it needs torchvision, which this environment leaves out, so its type check is
+    skipped for the missing one)."""
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    from forkrl.core.testing.models import byte_tokenizer
+
+    tok = byte_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": SPECIAL})
+    check = ProcessorMixin.check_argument_for_proper_class
+    ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: (
+        None if arg is None else check(self, name, arg)
+    )
+    try:
+        image = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=56 * 56)
+        return Qwen2VLProcessor(
+            image_processor=image, tokenizer=tok, video_processor=None, chat_template=TEMPLATE
+        )
+    finally:
+        ProcessorMixin.check_argument_for_proper_class = check
+
+
+def _model(tok):
+    import transformers
+
+    ids = tok.convert_tokens_to_ids(SPECIAL)
+    config = transformers.Qwen2VLConfig(
+        text_config=dict(
+            vocab_size=len(tok) + 2, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0},
+            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
+        ),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        vision_start_token_id=ids[0], image_token_id=ids[1], vision_end_token_id=ids[2], video_token_id=ids[3],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Qwen2VLForConditionalGeneration(config)
+
+
+def _dataset(n: int = 4):
+    from datasets import Dataset
+    from PIL import Image
+
+    rng = np.random.RandomState(0)
+    images = [Image.fromarray((rng.rand(56, 56, 3) * 255).astype("uint8")) for _ in range(n)]
+    prompts = [
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"Spell color {i}."}]}]
+        for i in range(n)
+    ]
+    return Dataset.from_dict({"prompt": prompts, "image": images})
+
+
+def _train(tmp_path, forkrl: bool, **kw):
+    import trl
+
+    from forkrl.plugins import trl as ftrl
+
+    processor = _processor()
+    model = tmp_path / "model"  # a path, as users pass it (TRL loads the reference model from it)
+    if not model.exists():
+        _model(processor.tokenizer).save_pretrained(model)
+    args = base_args(tmp_path / ("tree" if forkrl else "stock"), max_steps=2, max_completion_length=8, **kw)
+    if forkrl:
+        args, cls = ftrl.GRPOConfig(**args, tree_packing=True), ftrl.GRPOTrainer
+    else:
+        args, cls = trl.GRPOConfig(**args), trl.GRPOTrainer
+    trainer = cls(
+        model=str(model),
+        reward_funcs=_reward,
+        args=args,
+        train_dataset=_dataset(),
+        processing_class=processor,
+    )
+    init = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    return init, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, trainer
+
+
+@pytest.mark.parametrize(
+    "extra", [{}, {"beta": 0.04, "num_iterations": 2}], ids=["grpo", "kl-two-iterations"]
+)
+def test_grpo_on_a_vision_language_model_equals_stock(tmp_path, extra):
+    init, stock, _ = _train(tmp_path, forkrl=False, **extra)
+    _, tree, trainer = _train(tmp_path, forkrl=True, **extra)
+    rel = relative_difference(tree, stock, init)  # of the update
+    assert rel < 1e-4, rel
+    visual = [n for n in tree if "visual" in n]
+    assert visual and any(not torch.equal(tree[n], init[n]) for n in visual)  # the tower trained
+    logged = [h for h in trainer.state.log_history if "tree/compression" in h]
+    assert logged and all(h["tree/compression"] > 1 for h in logged)
