@@ -1,4 +1,4 @@
-"""TRL's GRPOTrainer on a vision-language model (a tiny Qwen2-VL and its processor, images in the
+"""TRL's GRPOTrainer and RLOOTrainer on a vision-language model (a tiny Qwen2-VL and its processor, images in the
 dataset) with ``tree_packing=True``: TRL builds the batches (its processor, its seeded generation,
 its pixel values per row) and forkrl's trainer equals stock's parameters after its steps; each
 group's image runs through the vision tower once per tree pass."""
@@ -82,7 +82,7 @@ def _dataset(n: int = 4):
     return Dataset.from_dict({"prompt": prompts, "image": images})
 
 
-def _train(tmp_path, forkrl: bool, **kw):
+def _train(tmp_path, forkrl: bool, kind: str = "grpo", **kw):
     import trl
 
     from forkrl.plugins import trl as ftrl
@@ -92,10 +92,11 @@ def _train(tmp_path, forkrl: bool, **kw):
     if not model.exists():
         _model(processor.tokenizer).save_pretrained(model)
     args = base_args(tmp_path / ("tree" if forkrl else "stock"), max_steps=2, max_completion_length=8, **kw)
+    config, trainer_cls = ("GRPOConfig", "GRPOTrainer") if kind == "grpo" else ("RLOOConfig", "RLOOTrainer")
     if forkrl:
-        args, cls = ftrl.GRPOConfig(**args, tree_packing=True), ftrl.GRPOTrainer
+        args, cls = getattr(ftrl, config)(**args, tree_packing=True), getattr(ftrl, trainer_cls)
     else:
-        args, cls = trl.GRPOConfig(**args), trl.GRPOTrainer
+        args, cls = getattr(trl, config)(**args), getattr(trl, trainer_cls)
     trainer = cls(
         model=str(model),
         reward_funcs=_reward,
@@ -109,11 +110,13 @@ def _train(tmp_path, forkrl: bool, **kw):
 
 
 @pytest.mark.parametrize(
-    "extra", [{}, {"beta": 0.04, "num_iterations": 2}], ids=["grpo", "kl-two-iterations"]
+    "kind,extra",
+    [("grpo", {}), ("grpo", {"beta": 0.04, "num_iterations": 2}), ("rloo", {})],
+    ids=["grpo", "grpo-kl-two-iterations", "rloo"],
 )
-def test_grpo_on_a_vision_language_model_equals_stock(tmp_path, extra):
-    init, stock, _ = _train(tmp_path, forkrl=False, **extra)
-    _, tree, trainer = _train(tmp_path, forkrl=True, **extra)
+def test_a_vision_language_model_equals_stock(tmp_path, kind, extra):
+    init, stock, _ = _train(tmp_path, forkrl=False, kind=kind, **extra)
+    _, tree, trainer = _train(tmp_path, forkrl=True, kind=kind, **extra)
     rel = relative_difference(tree, stock, init)  # of the update
     assert rel < 1e-4, rel
     visual = [n for n in tree if "visual" in n]
