@@ -151,6 +151,7 @@ class ModelAdapter:
         attention_mask: torch.Tensor | None = None,
         routers: list[torch.Tensor] | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        **decoder_kwargs,
     ) -> torch.Tensor:
         """Final hidden states (after the last norm).
 
@@ -163,11 +164,12 @@ class ModelAdapter:
                 ``output_router_logits=True``).
             inputs_embeds: ``[B, n, hidden]`` in place of ``input_ids`` (image rows spliced in,
                 :mod:`forkrl.core.executor.vision`).
+            **decoder_kwargs: further decoder arguments (Qwen3-VL's deepstack rows).
 
         Returns:
             ``[B, n, hidden]``.
         """
-        kwargs = {self.cache_kwarg: cache, "use_cache": cache is not None}
+        kwargs = {self.cache_kwarg: cache, "use_cache": cache is not None, **decoder_kwargs}
         if routers is not None:
             kwargs["output_router_logits"] = True
         if self.takes_positions:  # else no positional encoding: the state carries the order

@@ -21,10 +21,14 @@ per shared prefix. :class:`VisionBatch` prepares one batch:
    are computed once by the model's own function; a unit takes its node's span from a sequence
    through that node (all such sequences have the same prefix, so the same positions there).
 
-Supported: Qwen2-VL and Qwen2.5-VL (images; M-RoPE) in keep and replay modes. Refused with
-:class:`UnsupportedModelError`: video, packed mode, and models whose image features enter the
-decoder elsewhere than its input (Qwen3-VL's deepstack) or that attend bidirectionally over an image
-(Gemma 3).
+4. **Deepstack** (Qwen3-VL): the vision tower's intermediate features are added to the image
+   tokens' hidden states inside the first decoder layers. They are leaves like the rows (one per
+   such layer) and reach the decoder as its ``visual_pos_masks``/``deepstack_visual_embeds`` for the
+   unit's image tokens; their gradient joins the rows' in the tower's one backward.
+
+Supported: Qwen2-VL, Qwen2.5-VL and Qwen3-VL (images; M-RoPE) in keep and replay modes. Refused with
+:class:`UnsupportedModelError`: video, packed mode, and other vision-language models (e.g. Gemma 3,
+which attends bidirectionally over an image).
 """
 
 from __future__ import annotations
@@ -40,7 +44,11 @@ from ..errors import UnsupportedModelError
 
 __all__ = ["Image", "VisionBatch"]
 
-_SUPPORTED = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+_SUPPORTED = (
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
+)
 
 
 @dataclass
@@ -90,10 +98,15 @@ class VisionBatch:
         rows: torch.Tensor,
         graph: torch.Tensor | None,
         unique_images: int,
+        deep_rows: list[torch.Tensor] | None = None,
+        deep_graph: list[torch.Tensor] | None = None,
     ) -> None:
         self.sequences, self.positions, self.vocab = sequences, positions, vocab
         self.rows = rows  # [rows, hidden]: the leaf the tree reads (requires grad when training)
         self._graph = graph  # the same rows in the vision tower's graph, or None
+        # Qwen3-VL's deepstack: per decoder layer it feeds, [rows, hidden] added to the image rows' states
+        self.deep_rows = deep_rows or []
+        self._deep_graph = deep_graph or []
         self.unique_images = unique_images
         self._through: list[int] | None = None
 
@@ -140,8 +153,9 @@ class VisionBatch:
             if unique.setdefault(img.key(), len(ordered)) == len(ordered):
                 ordered.append(img)
         trains = grad and any(p.requires_grad for p in _vision_tower(base).parameters())
-        per_image = _features(base, ordered, trains)
+        per_image, deep = _features(base, ordered, trains)
         graph = torch.cat(per_image) if per_image else base.get_input_embeddings().weight[:0]
+        deep_graph = [torch.cat(layer) for layer in deep]
         starts = [0]
         for feats in per_image:
             starts.append(starts[-1] + feats.shape[0])
@@ -158,7 +172,11 @@ class VisionBatch:
             _positions(base, s, t, imgs).cpu() for s, t, imgs in zip(seqs, types, images, strict=True)
         ]
         rows = graph.detach().requires_grad_(trains)
-        return cls(tree_seqs, positions, vocab, rows, graph if trains else None, len(ordered))
+        deep_rows = [g.detach().requires_grad_(trains) for g in deep_graph]
+        return cls(
+            tree_seqs, positions, vocab, rows, graph if trains else None, len(ordered),
+            deep_rows, deep_graph if trains else None,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ in a pass
     def check(self, forest, mode: str) -> None:
@@ -187,8 +205,9 @@ class VisionBatch:
 
     def inputs(
         self, embed: nn.Module, ids: torch.Tensor, start: int, nodes: Sequence[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A unit's (or a batch of sibling leaves') input embeddings and position ids.
+    ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """A unit's (or a batch of sibling leaves') input embeddings, position ids and further
+        decoder arguments (Qwen3-VL's deepstack rows for the unit's image tokens).
 
         Args:
             embed: the model's token embedding.
@@ -197,7 +216,9 @@ class VisionBatch:
             nodes: per row, the forest node it belongs to.
 
         Returns:
-            ``([B, n, hidden] inputs_embeds, [3, B, n] position_ids)``.
+            ``([B, n, hidden] inputs_embeds, [3, B, n] position_ids, kwargs)``; with deepstack,
+            ``kwargs`` holds ``visual_pos_masks`` ``[B, n]`` and ``deepstack_visual_embeds`` (per
+            layer ``[image tokens, hidden]``, in the mask's row-major order).
         """
         if self._through is None:
             raise RuntimeError("internal: VisionBatch.bind(forest) was not called before the pass")
@@ -215,13 +236,25 @@ class VisionBatch:
                 extra = span[:, -1:] + torch.arange(1, n - span.shape[1] + 1)
                 span = torch.cat([span, extra], dim=1)
             pos.append(span)
-        return embeds, torch.stack(pos, dim=1).to(ids.device)
+        extra = {}
+        if self.deep_rows and bool(virtual.any()):
+            index = (ids - self.vocab)[virtual]
+            extra = {
+                "visual_pos_masks": virtual,
+                "deepstack_visual_embeds": [d.to(embeds.device, embeds.dtype)[index] for d in self.deep_rows],
+            }
+        return embeds, torch.stack(pos, dim=1).to(ids.device), extra
 
     def finish(self) -> None:
         """After a gradient pass: the image rows' accumulated gradient through the vision tower, once."""
-        if self._graph is not None and self.rows.grad is not None:
-            torch.autograd.backward(self._graph, self.rows.grad.to(self._graph.dtype))
-        self._graph = None
+        outputs, grads = [], []
+        for graph, leaf in zip([self._graph, *self._deep_graph], [self.rows, *self.deep_rows], strict=False):
+            if graph is not None and leaf.grad is not None:
+                outputs.append(graph)
+                grads.append(leaf.grad.to(graph.dtype))
+        if outputs:
+            torch.autograd.backward(outputs, grads)
+        self._graph, self._deep_graph = None, []
 
 
 def check_model(base: nn.Module) -> None:
@@ -272,10 +305,11 @@ def _check_placeholders(config, types: list[torch.Tensor], images: Sequence[Sequ
             )
 
 
-def _features(base: nn.Module, images: list[Image], grad: bool) -> list[torch.Tensor]:
-    """``[rows_j, hidden]`` per image: the model's ``get_image_features``, all images in one call."""
+def _features(base: nn.Module, images: list[Image], grad: bool) -> tuple[list, list]:
+    """``[rows_j, hidden]`` per image, and per deepstack layer the same (Qwen3-VL; else none): the
+    model's ``get_image_features``, all images in one call."""
     if not images:
-        return []
+        return [], []
     device = base.get_input_embeddings().weight.device
     with torch.set_grad_enabled(grad):
         out = base.get_image_features(
@@ -283,7 +317,8 @@ def _features(base: nn.Module, images: list[Image], grad: bool) -> list[torch.Te
             torch.stack([img.grid_thw for img in images]).to(device),
             return_dict=True,
         )
-    return list(out.pooler_output)
+    deep = [list(layer) for layer in (getattr(out, "deepstack_features", None) or [])]
+    return list(out.pooler_output), deep
 
 
 def _vision_tower(base: nn.Module) -> nn.Module:
