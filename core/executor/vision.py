@@ -26,7 +26,10 @@ per shared prefix. :class:`VisionBatch` prepares one batch:
    such layer) and reach the decoder as its ``visual_pos_masks``/``deepstack_visual_embeds`` for the
    unit's image tokens; their gradient joins the rows' in the tower's one backward.
 
-Supported: Qwen2-VL, Qwen2.5-VL and Qwen3-VL (images; M-RoPE) in keep and replay modes. Refused with
+LLaVA (image features spliced into the text embeddings, positions by depth) takes the same path
+with plain positions.
+
+Supported: Qwen2-VL, Qwen2.5-VL, Qwen3-VL (images; M-RoPE) and LLaVA, in keep and replay modes. Refused with
 :class:`UnsupportedModelError`: video, packed mode, and other vision-language models (e.g. Gemma 3,
 which attends bidirectionally over an image).
 """
@@ -44,11 +47,15 @@ from ..errors import UnsupportedModelError
 
 __all__ = ["Image", "VisionBatch"]
 
-_SUPPORTED = (
-    "Qwen2VLForConditionalGeneration",
-    "Qwen2_5_VLForConditionalGeneration",
-    "Qwen3VLForConditionalGeneration",
-)
+#: Supported models and how their images enter: "mrope" (patches and a grid per image, multimodal
+#: RoPE from get_rope_index), "plain" (LLaVA: one ``[C, H, W]`` image, positions by depth).
+_FAMILIES = {
+    "Qwen2VLForConditionalGeneration": "mrope",
+    "Qwen2_5_VLForConditionalGeneration": "mrope",
+    "Qwen3VLForConditionalGeneration": "mrope",
+    "LlavaForConditionalGeneration": "plain",
+}
+_SUPPORTED = tuple(_FAMILIES)
 
 
 @dataclass
@@ -56,12 +63,13 @@ class Image:
     """One image as the model's processor gives it.
 
     Attributes:
-        pixel_values: ``[patches, channels * temporal_patch * patch * patch]``.
-        grid_thw: ``[3]`` the patch grid (temporal, height, width).
+        pixel_values: ``[patches, channels * temporal_patch * patch * patch]`` (the Qwen-VL family),
+            or ``[channels, height, width]`` (LLaVA).
+        grid_thw: ``[3]`` the patch grid (temporal, height, width); None for LLaVA.
     """
 
     pixel_values: torch.Tensor
-    grid_thw: torch.Tensor
+    grid_thw: torch.Tensor | None = None
 
     def key(self) -> str:
         """Equal for equal pixels and grid (computed once per object)."""
@@ -70,7 +78,8 @@ class Image:
             return cached
         pixels = self.pixel_values.detach().contiguous().cpu()
         digest = hashlib.sha1(pixels.view(torch.uint8).numpy().tobytes())
-        digest.update(str((tuple(pixels.shape), str(pixels.dtype), self.grid_thw.tolist())).encode())
+        grid = None if self.grid_thw is None else self.grid_thw.tolist()
+        digest.update(str((tuple(pixels.shape), str(pixels.dtype), grid)).encode())
         self.__dict__["_key"] = digest.hexdigest()
         return self.__dict__["_key"]
 
@@ -85,7 +94,7 @@ class VisionBatch:
 
     Attributes:
         sequences: ``[T_i]`` token ids per sequence, image placeholders replaced by virtual ids.
-        positions: ``[3, T_i]`` the model's position ids per sequence.
+        positions: the model's position ids per sequence: ``[3, T_i]`` (multimodal RoPE) or ``[T_i]``.
         vocab: the first virtual id (the model's vocabulary size).
         unique_images: how many distinct images the batch holds (vision tower forwards).
     """
@@ -130,7 +139,7 @@ class VisionBatch:
             grad: whether a gradient pass follows (the vision tower's graph is kept when it trains).
             token_types: per sequence, ``[T_i]`` the processor's ``mm_token_type_ids`` (0 text, 1
                 image, 2 video; a host extends them with 0 over the completion): which tokens are
-                placeholders. Without them every ``image_token_id`` is one and a ``video_token_id``
+                placeholders (the Qwen-VL family; LLaVA's forward goes by the ids). Without them every ``image_token_id`` is one and a ``video_token_id``
                 is refused; with them a generated token equal to either is text, as the model's
                 forward treats it.
 
@@ -145,15 +154,20 @@ class VisionBatch:
         seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1).cpu() for s in sequences]
         if len(images) != len(seqs):
             raise ValueError(f"{len(seqs)} sequences but images for {len(images)}")
-        types = _types(config, seqs, token_types)
-        _check_placeholders(config, types, images)
+        kind = _FAMILIES[type(base).__name__]
+        # LLaVA's forward finds its placeholders by id, whatever token types a host passes
+        types = _types(config, seqs, token_types if kind == "mrope" else None)
+        if kind == "mrope":  # before the tower runs: the grid says how many rows each image makes
+            _check_placeholders(types, images, lambda img: int(img.grid_thw.prod()) // _merge(config))
         unique: dict[str, int] = {}
         ordered: list[Image] = []
         for img in (img for imgs in images for img in imgs):
             if unique.setdefault(img.key(), len(ordered)) == len(ordered):
                 ordered.append(img)
         trains = grad and any(p.requires_grad for p in _vision_tower(base).parameters())
-        per_image, deep = _features(base, ordered, trains)
+        per_image, deep = _features(base, ordered, trains, kind)
+        rows_of = {img.key(): feats.shape[0] for img, feats in zip(ordered, per_image, strict=True)}
+        _check_placeholders(types, images, lambda img: rows_of[img.key()])
         graph = torch.cat(per_image) if per_image else base.get_input_embeddings().weight[:0]
         deep_graph = [torch.cat(layer) for layer in deep]
         starts = [0]
@@ -169,7 +183,8 @@ class VisionBatch:
                 k += n
             tree_seqs.append(tree)
         positions = [
-            _positions(base, s, t, imgs).cpu() for s, t, imgs in zip(seqs, types, images, strict=True)
+            _positions(base, s, t, imgs).cpu() if kind == "mrope" else torch.arange(len(s))
+            for s, t, imgs in zip(seqs, types, images, strict=True)
         ]
         rows = graph.detach().requires_grad_(trains)
         deep_rows = [g.detach().requires_grad_(trains) for g in deep_graph]
@@ -216,7 +231,7 @@ class VisionBatch:
             nodes: per row, the forest node it belongs to.
 
         Returns:
-            ``([B, n, hidden] inputs_embeds, [3, B, n] position_ids, kwargs)``; with deepstack,
+            ``([B, n, hidden] inputs_embeds, [3, B, n] or [B, n] position_ids, kwargs)``; with deepstack,
             ``kwargs`` holds ``visual_pos_masks`` ``[B, n]`` and ``deepstack_visual_embeds`` (per
             layer ``[image tokens, hidden]``, in the mask's row-major order).
         """
@@ -230,11 +245,11 @@ class VisionBatch:
         n = ids.shape[1]
         pos = []
         for node in nodes:
-            full = self.positions[self._through[node]]
-            span = full[:, start : start + n]
-            if span.shape[1] < n:  # the padding after a short leaf: positions past its end
-                extra = span[:, -1:] + torch.arange(1, n - span.shape[1] + 1)
-                span = torch.cat([span, extra], dim=1)
+            full = self.positions[self._through[node]]  # [3, T] (multimodal RoPE) or [T]
+            span = full[..., start : start + n]
+            if span.shape[-1] < n:  # the padding after a short leaf: positions past its end
+                extra = span[..., -1:] + torch.arange(1, n - span.shape[-1] + 1)
+                span = torch.cat([span, extra], dim=-1)
             pos.append(span)
         extra = {}
         if self.deep_rows and bool(virtual.any()):
@@ -243,7 +258,7 @@ class VisionBatch:
                 "visual_pos_masks": virtual,
                 "deepstack_visual_embeds": [d.to(embeds.device, embeds.dtype)[index] for d in self.deep_rows],
             }
-        return embeds, torch.stack(pos, dim=1).to(ids.device), extra
+        return embeds, torch.stack(pos, dim=-2).to(ids.device), extra
 
     def finish(self) -> None:
         """After a gradient pass: the image rows' accumulated gradient through the vision tower, once."""
@@ -287,16 +302,19 @@ def _types(config, seqs: list[torch.Tensor], given: Sequence[torch.Tensor] | Non
     return out
 
 
-def _check_placeholders(config, types: list[torch.Tensor], images: Sequence[Sequence[Image]]) -> None:
-    """Each sequence's image placeholders match its images' row counts; no video."""
-    merge = int(config.vision_config.spatial_merge_size) ** 2
+def _merge(config) -> int:
+    return int(config.vision_config.spatial_merge_size) ** 2
+
+
+def _check_placeholders(types: list[torch.Tensor], images: Sequence[Sequence[Image]], rows) -> None:
+    """Each sequence's image placeholders match its images' row counts (``rows(image)``); no video."""
     for i, (kinds, imgs) in enumerate(zip(types, images, strict=True)):
         if bool((kinds == 2).any()):
             raise UnsupportedModelError(
                 f"sequence {i} holds video tokens: forkrl's tree takes images only; train videos without "
                 "tree_packing"
             )
-        want = sum(int(img.grid_thw.prod()) // merge for img in imgs)
+        want = sum(rows(img) for img in imgs)
         have = int((kinds == 1).sum())
         if want != have:
             raise ValueError(
@@ -305,25 +323,36 @@ def _check_placeholders(config, types: list[torch.Tensor], images: Sequence[Sequ
             )
 
 
-def _features(base: nn.Module, images: list[Image], grad: bool) -> tuple[list, list]:
+def _features(base: nn.Module, images: list[Image], grad: bool, kind: str) -> tuple[list, list]:
     """``[rows_j, hidden]`` per image, and per deepstack layer the same (Qwen3-VL; else none): the
     model's ``get_image_features``, all images in one call."""
     if not images:
         return [], []
     device = base.get_input_embeddings().weight.device
     with torch.set_grad_enabled(grad):
-        out = base.get_image_features(
-            torch.cat([img.pixel_values for img in images]).to(device),
-            torch.stack([img.grid_thw for img in images]).to(device),
-            return_dict=True,
-        )
+        if kind == "mrope":
+            out = base.get_image_features(
+                torch.cat([img.pixel_values for img in images]).to(device),
+                torch.stack([img.grid_thw for img in images]).to(device),
+                return_dict=True,
+            )
+        else:  # LLaVA: the layer and CLS handling its forward passes from the config
+            out = base.get_image_features(
+                pixel_values=torch.stack([img.pixel_values for img in images]).to(device),
+                vision_feature_layer=base.config.vision_feature_layer,
+                vision_feature_select_strategy=base.config.vision_feature_select_strategy,
+                return_dict=True,
+            )
     deep = [list(layer) for layer in (getattr(out, "deepstack_features", None) or [])]
     return list(out.pooler_output), deep
 
 
 def _vision_tower(base: nn.Module) -> nn.Module:
+    """The vision tower and its projector (their parameters train or not together)."""
     inner = getattr(base, "model", base)
-    return inner.visual
+    if hasattr(inner, "visual"):
+        return inner.visual
+    return nn.ModuleList([inner.vision_tower, inner.multi_modal_projector])
 
 
 def _positions(

@@ -66,7 +66,7 @@ _MULTIMODAL_KEYS = (
     "num_images",
     "num_tiles",
 )
-_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")
+_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")  # Qwen-VL family, LLaVA
 # Loss types whose gradient at ratio 1 (old log-probs = current, detached) is constant.
 _KNOWN_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 
@@ -77,21 +77,24 @@ def _layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int) -
 
 
 def _row_images(inputs: dict, rows: int) -> list[list[Image]] | None:
-    """Per row, its images, from TRL's fields for a micro-batch (``pixel_values`` ``[patches, d]`` of
-    all its images in order, ``image_grid_thw`` ``[images, 3]``, ``num_images`` per row); None
-    without images."""
+    """Per row, its images, from TRL's fields for a micro-batch; None without images. The Qwen-VL
+    family: ``pixel_values`` ``[patches, d]`` of all its images in order, ``image_grid_thw``
+    ``[images, 3]``; LLaVA: ``pixel_values`` ``[images, C, H, W]``; ``num_images`` per row."""
     pixels, grid, counts = inputs.get("pixel_values"), inputs.get("image_grid_thw"), inputs.get("num_images")
     if pixels is None:
         return None
-    if grid is None or counts is None or len(counts) != rows:
+    if counts is None or len(counts) != rows or (grid is None and pixels.shape[0] != sum(counts)):
         raise ValueError(
-            "tree_packing needs each image's grid (image_grid_thw) and each row's image count (num_images) "
-            f"beside pixel_values, for {rows} rows: turn tree_packing off for this model"
+            "tree_packing needs each row's image count (num_images) and each image's pixels (with image_grid_thw "
+            f"for the Qwen-VL family) for {rows} rows: turn tree_packing off for this model"
         )
-    chunks = torch.split(pixels, grid.prod(-1).tolist())
+    per_image = (
+        [Image(p) for p in pixels] if grid is None else
+        [Image(p, g) for p, g in zip(torch.split(pixels, grid.prod(-1).tolist()), grid, strict=True)]
+    )  # fmt: skip
     out, k = [], 0
     for n in counts:
-        out.append([Image(chunks[k + j], grid[k + j]) for j in range(int(n))])
+        out.append(per_image[k : k + int(n)])
         k += int(n)
     return out
 

@@ -279,3 +279,72 @@ def _dense_logprobs_in_graph(model, seq, imgs, sf):
         )
     logits = model(input_ids=ids, use_cache=False, **kwargs).logits[0]
     return torch.log_softmax(logits.float(), -1)[sf - 1 : -1].gather(-1, ids[0, sf:, None])[:, 0]
+
+
+def _llava(seed: int = 0):
+    """A tiny LLaVA: CLIP tower (8x8 images, patch 2: 16 rows after dropping CLS), Llama decoder."""
+    import transformers
+
+    config = transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=8,
+            patch_size=2,
+        ),
+        text_config=transformers.LlamaConfig(
+            vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512,
+        ),
+        image_token_index=IMAGE, vision_feature_layer=-2, vision_feature_select_strategy="default",
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return transformers.LlavaForConditionalGeneration(config).double().eval()
+
+
+@pytest.mark.parametrize("mode", ["keep", "replay"])
+def test_llava_images_on_a_tree_equal_the_models_forward(mode):
+    """A LLaVA-style model (image features spliced into the text embeddings, positions by depth):
+    float64 log-probs and every gradient (tower and projector included) equal its own forward."""
+    g = torch.Generator().manual_seed(5)
+    rand = lambda n: torch.randint(0, 250, (n,), generator=g).tolist()  # noqa: E731
+    a, b = (
+        Image(torch.randn(3, 8, 8, generator=torch.Generator().manual_seed(s), dtype=torch.float64))
+        for s in (1, 2)
+    )
+    text = rand(4)
+    rows = [([1, 2] + [IMAGE] * 16 + text, [a], rand(2 + k)) for k in range(3)]
+    rows += [
+        ([1, 2] + [IMAGE] * 16 + text, [b], rand(3)),
+        ([1] + [IMAGE] * 16 + [9] + [IMAGE] * 16, [a, a], rand(2)),
+    ]
+    rows += [(text, [], rand(3))]
+    sequences, images, score_from = (
+        [p + r for p, _, r in rows],
+        [i for _, i, _ in rows],
+        [len(p) for p, _, _ in rows],
+    )
+    coefs = [
+        torch.randn(len(s) - sf, generator=g, dtype=torch.float64)
+        for s, sf in zip(sequences, score_from, strict=True)
+    ]
+    with Float64Mode():
+        model = _llava()
+        want = []
+        for seq, imgs, sf, c in zip(sequences, images, score_from, coefs, strict=True):
+            ids = torch.tensor(seq)[None]
+            kwargs = {"pixel_values": torch.stack([i.pixel_values for i in imgs])} if imgs else {}
+            logits = model(input_ids=ids, use_cache=False, **kwargs).logits[0]
+            lp = torch.log_softmax(logits.float(), -1)[sf - 1 : -1].gather(-1, ids[0, sf:, None])[:, 0]
+            (lp * c).sum().backward()
+            want.append(lp.detach())
+        want_grads = grads(model)
+        model.zero_grad(set_to_none=True)
+        vision = VisionBatch.prepare(model, sequences, images)
+        forest = PrefixForest.build(vision.sequences, score_from)
+        got = TreeExecutor(model, mode=mode, block_size=5 if mode == "replay" else None).backward(
+            forest, grad_logprobs=coefs, vision=vision
+        )
+    assert vision.unique_images == 2
+    assert max_rel_err(got.logprobs, want) < 1e-12
+    assert max_rel_err(grads(model), want_grads) < 1e-10
+    projector = [p.grad for p in model.model.multi_modal_projector.parameters()]
+    assert all(p is not None and p.abs().sum() > 0 for p in projector)

@@ -50,6 +50,42 @@ def _processor():
         ProcessorMixin.check_argument_for_proper_class = check
 
 
+def _llava_processor():
+    """LLaVA's processor over the byte tokenizer (CLIP's image processor, PIL backend): an 8x8 image
+    makes 16 ``<image>`` tokens (patch 2, CLS dropped)."""
+    from transformers import CLIPImageProcessor, LlavaProcessor
+
+    from forkrl.core.testing.models import byte_tokenizer
+
+    tok = byte_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    image = CLIPImageProcessor(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8})
+    template = TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
+    return LlavaProcessor(
+        image_processor=image, tokenizer=tok, patch_size=2, vision_feature_select_strategy="default",
+        chat_template=template, image_token="<image>", num_additional_image_tokens=1,
+    )  # fmt: skip
+
+
+def _llava(tok):
+    import transformers
+
+    config = transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=8, patch_size=2,
+        ),
+        text_config=transformers.LlamaConfig(
+            vocab_size=len(tok) + 2, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id, bos_token_id=None,
+        ),
+        image_token_index=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlavaForConditionalGeneration(config)
+
+
 def _model(tok):
     import transformers
 
@@ -69,12 +105,12 @@ def _model(tok):
     return transformers.Qwen2VLForConditionalGeneration(config)
 
 
-def _dataset(n: int = 4):
+def _dataset(n: int = 4, size: int = 56):
     from datasets import Dataset
     from PIL import Image
 
     rng = np.random.RandomState(0)
-    images = [Image.fromarray((rng.rand(56, 56, 3) * 255).astype("uint8")) for _ in range(n)]
+    images = [Image.fromarray((rng.rand(size, size, 3) * 255).astype("uint8")) for _ in range(n)]
     prompts = [
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"Spell color {i}."}]}]
         for i in range(n)
@@ -87,12 +123,15 @@ def _train(tmp_path, forkrl: bool, kind: str = "grpo", **kw):
 
     from forkrl.plugins import trl as ftrl
 
-    processor = _processor()
-    model = tmp_path / "model"  # a path, as users pass it (TRL loads the reference model from it)
+    llava = kind.endswith("llava")
+    processor = _llava_processor() if llava else _processor()
+    model = tmp_path / (
+        "llava" if llava else "model"
+    )  # a path, as users pass it (TRL loads the reference from it)
     if not model.exists():
-        _model(processor.tokenizer).save_pretrained(model)
+        (_llava if llava else _model)(processor.tokenizer).save_pretrained(model)
     args = base_args(tmp_path / ("tree" if forkrl else "stock"), max_steps=2, max_completion_length=8, **kw)
-    config, trainer_cls = ("GRPOConfig", "GRPOTrainer") if kind == "grpo" else ("RLOOConfig", "RLOOTrainer")
+    config, trainer_cls = ("RLOOConfig", "RLOOTrainer") if kind == "rloo" else ("GRPOConfig", "GRPOTrainer")
     if forkrl:
         args, cls = getattr(ftrl, config)(**args, tree_packing=True), getattr(ftrl, trainer_cls)
     else:
@@ -101,7 +140,7 @@ def _train(tmp_path, forkrl: bool, kind: str = "grpo", **kw):
         model=str(model),
         reward_funcs=_reward,
         args=args,
-        train_dataset=_dataset(),
+        train_dataset=_dataset(size=8 if llava else 56),
         processing_class=processor,
     )
     init = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -111,15 +150,15 @@ def _train(tmp_path, forkrl: bool, kind: str = "grpo", **kw):
 
 @pytest.mark.parametrize(
     "kind,extra",
-    [("grpo", {}), ("grpo", {"beta": 0.04, "num_iterations": 2}), ("rloo", {})],
-    ids=["grpo", "grpo-kl-two-iterations", "rloo"],
+    [("grpo", {}), ("grpo", {"beta": 0.04, "num_iterations": 2}), ("rloo", {}), ("grpo-llava", {})],
+    ids=["grpo", "grpo-kl-two-iterations", "rloo", "grpo-llava"],
 )
 def test_a_vision_language_model_equals_stock(tmp_path, kind, extra):
     init, stock, _ = _train(tmp_path, forkrl=False, kind=kind, **extra)
     _, tree, trainer = _train(tmp_path, forkrl=True, kind=kind, **extra)
     rel = relative_difference(tree, stock, init)  # of the update
     assert rel < 1e-4, rel
-    visual = [n for n in tree if "visual" in n]
+    visual = [n for n in tree if "visual" in n or "vision_tower" in n]
     assert visual and any(not torch.equal(tree[n], init[n]) for n in visual)  # the tower trained
     logged = [h for h in trainer.state.log_history if "tree/compression" in h]
     assert logged and all(h["tree/compression"] > 1 for h in logged)
