@@ -29,6 +29,7 @@ from ..tree import PrefixForest, Unit, plan
 from .cache import LayerPast, NodeKV, recorded
 from .head import ScoredHead
 from .router import RouterPass, token_nodes
+from .vision import VisionBatch
 
 __all__ = ["DepthFirstPass", "Step"]
 
@@ -63,6 +64,7 @@ class DepthFirstPass:
         head: writes log-probs/entropies and applies the coefficients.
         pieces: hand the ancestors' caches to the attention as separate pieces (split attention).
         router: records the router logits of each forward (MoE load-balancing loss), or None.
+        vision: the batch's images (a vision-language model, bound to ``forest``), or None.
     """
 
     def __init__(
@@ -73,10 +75,12 @@ class DepthFirstPass:
         head: ScoredHead,
         pieces: bool,
         router: RouterPass | None = None,
+        vision: VisionBatch | None = None,
     ) -> None:
         self.ex = executor
         self.adapter = executor.adapter
         self.grad, self.head, self.pieces, self.router = grad, head, pieces, router
+        self.vision = vision
         block = executor.block_size if (executor.mode == "replay" or not grad) else None
         self.units, self.roots = plan(forest, block)
         self.replay = grad and executor.mode == "replay"
@@ -209,7 +213,7 @@ class DepthFirstPass:
     def _hidden(self, ids: torch.Tensor, start: int, nodes: list[int], cache, routers) -> torch.Tensor:
         """``[B, n, hidden]`` of ``[B, n]`` ids whose column 0 is at ``start``; ``nodes``: per row, its
         forest node (a batch's image rows and multimodal positions, :mod:`.vision`)."""
-        vision = self.ex.vision
+        vision = self.vision
         if vision is None:
             pos = torch.arange(start, start + ids.shape[1], device=self.device).expand(ids.shape[0], -1)
             return self.adapter.hidden(ids, pos, cache=cache, routers=routers)

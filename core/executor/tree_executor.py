@@ -169,7 +169,6 @@ class TreeExecutor:
         if mode == "packed":
             check_packed(self.adapter)
         self._warned_checkpointing = False
-        self.vision: VisionBatch | None = None  # the images of the pass running (module vision)
         self._bound_vision: VisionBatch | None = None  # the default of calls inside images()
         self._probed = False
         self._router_probed = False
@@ -306,9 +305,6 @@ class TreeExecutor:
     def _check_forest(self, forest: PrefixForest, vision: VisionBatch | None = None) -> None:
         if not isinstance(forest, PrefixForest):
             raise TypeError(f"expected a PrefixForest, got {type(forest).__name__}")
-        if vision is not None:
-            vision.check(forest, self.mode)
-            return
         limit = getattr(self.adapter.config, "max_position_embeddings", None)
         longest = max(forest.lengths)
         if limit is not None and longest > limit:
@@ -317,6 +313,9 @@ class TreeExecutor:
                 f"sequence {s} has {longest} tokens but {self.adapter.name} supports max_position_embeddings="
                 f"{limit}: truncate the rollouts or raise the model's context length"
             )
+        if vision is not None:  # its virtual ids lie past the vocabulary by design
+            vision.check(forest, self.mode)
+            return
         vocab = self.adapter.vocab_size
         top = max(int(n.tokens.max()) for n in forest.nodes)
         if top >= vocab:
@@ -357,14 +356,9 @@ class TreeExecutor:
         self.verify()
         if router is not None and not self._router_probed:
             self._probe_router()
-        if vision is None:
-            return self._pass(forest, grad, entropy, coef, router)
-        vision.bind(forest)
-        self.vision = vision
-        try:
-            return self._pass(forest, grad, entropy, coef, router)
-        finally:
-            self.vision = None
+        if vision is not None:
+            vision.bind(forest)
+        return self._pass(forest, grad, entropy, coef, router, vision)
 
     def verify(self) -> TreeExecutor:
         """Run the first-use probe now (see :meth:`_probe`; otherwise the first pass runs it).
@@ -524,6 +518,7 @@ class TreeExecutor:
         entropy: bool,
         coef: CoefficientFn | None,
         router: RouterLoss | None = None,
+        vision: VisionBatch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         lp = torch.zeros(forest.num_entries, dtype=self.dtype, device=self.device)
         ent = torch.zeros_like(lp) if entropy else None
@@ -552,11 +547,11 @@ class TreeExecutor:
                 if router is not None and grad and not router.counted:
                     with torch.no_grad():  # every token's top-k before the first backward
                         counting = RouterPass(router, True, self.device)
-                        DepthFirstPass(self, forest, False, _NoHead(), pieces, counting).run()
+                        DepthFirstPass(self, forest, False, _NoHead(), pieces, counting, vision).run()
                 passing = (
                     RouterPass(router, count=not grad, device=self.device) if router is not None else None
                 )
-                DepthFirstPass(self, forest, grad, head, pieces, passing).run()
+                DepthFirstPass(self, forest, grad, head, pieces, passing, vision).run()
         return lp, ent
 
 

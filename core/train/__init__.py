@@ -7,7 +7,7 @@
   engines that reduce through parameter hooks (DeepSpeed ZeRO 0-2: an aliasing replica).
 """
 
-from .distributed import all_ok, all_reduce_gradients, share_micro_batches, world_size
+from .distributed import all_ok, all_reduce_gradients, gather_shares, share_micro_batches, world_size
 from .options import DEFAULT_BLOCK_SIZE, DEFAULT_REPLAY_THRESHOLD, TREE_MODES, TreeMode, TreeOptions
 from .sharded import AliasReplica, FSDP2Replica, Gather, is_fsdp2, is_zero3
 from .step import MODE_CODES, StepMetrics, StepResult, TreeStep
@@ -27,6 +27,7 @@ __all__ = [
     "TreeStep",
     "all_ok",
     "all_reduce_gradients",
+    "gather_shares",
     "is_fsdp2",
     "is_zero3",
     "share_micro_batches",

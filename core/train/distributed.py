@@ -8,11 +8,12 @@ averages gradients itself, once per optimizer step, in flat buckets (as DDP's re
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_ok", "all_reduce_gradients", "share_micro_batches", "world_size"]
+__all__ = ["all_ok", "all_reduce_gradients", "gather_shares", "share_micro_batches", "world_size"]
 
 
 def world_size(group=None) -> int:
@@ -105,3 +106,23 @@ def share_micro_batches(tokens: Sequence[int], size: int, rank: int) -> list[int
         bounds.append(min(max(cut, bounds[-1] + 1), count - (size - s)))
     bounds.append(count)
     return list(range(bounds[rank], bounds[rank + 1]))
+
+
+def gather_shares(own: Sequence[tuple[int, Any]], count: int, group) -> list:
+    """Every index's object on every rank of ``group``, after each rank ran its share
+    (:func:`share_micro_batches`): each gives ``(index, object)`` for its indices (picklable,
+    host-side values); together they must cover ``0 .. count - 1``.
+
+    Raises:
+        RuntimeError: naming the indices no rank gave.
+    """
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, list(own), group=group)
+    out: list = [None] * count
+    for part in parts:
+        for i, obj in part:
+            out[i] = obj
+    missing = [i for i, obj in enumerate(out) if obj is None]
+    if missing:
+        raise RuntimeError(f"forkrl: no rank of the sequence-parallel group returned micro-batches {missing}")
+    return out

@@ -53,7 +53,7 @@ from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 from forkrl.core import RowLayout, TreeStep, UnsupportedModelError
 from forkrl.core.balance import OnlineCostModel, forest_stats
 from forkrl.core.executor import RouterLoss
-from forkrl.core.train import AliasReplica, share_micro_batches, world_size
+from forkrl.core.train import AliasReplica, gather_shares, share_micro_batches, world_size
 
 from ..deepspeed import gathered
 from . import compat
@@ -109,15 +109,8 @@ def _moved(x: Any, where: torch.device | str) -> Any:
 
 def _gather_statuses(statuses: list, mine: list[int], group, device: torch.device) -> list[dict]:
     """The ring group's ``training_step`` statuses, each rank's own at its micro-batches' indices."""
-    parts: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, [(i, _moved(statuses[i], "cpu")) for i in mine], group=group)
-    for part in parts:
-        for i, status in part:
-            statuses[i] = _moved(status, device)
-    if any(s is None for s in statuses):
-        missing = [i for i, s in enumerate(statuses) if s is None]
-        raise RuntimeError(f"tree step: the ring group returned no status for micro-batches {missing}")
-    return statuses
+    own = [(i, _moved(statuses[i], "cpu")) for i in mine]
+    return [_moved(status, device) for status in gather_shares(own, len(statuses), group)]
 
 
 class _LeafActor:

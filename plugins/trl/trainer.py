@@ -227,7 +227,13 @@ class TreeTrainingMixin:
         choice = self.args.tree_balance
         if choice == "off" or self.accelerator.num_processes == 1:
             return False
-        why = unsafe_reason(self)
+        # Decided once, the same on every rank (the balancer is a collective): a vision-language
+        # model's rows would move without their pixels.
+        why = (
+            "a vision-language model's rows carry images, which it does not move"
+            if self._is_vlm
+            else unsafe_reason(self)
+        )
         if why is not None:
             if choice == "on":
                 raise ValueError(
@@ -377,8 +383,7 @@ class TreeTrainingMixin:
     def _tree_update(self, model) -> torch.Tensor:
         window, self._tree_window = self._tree_window, []
         balanced = None
-        # Rows move between ranks without their pixels: a window with images stays where TRL put it.
-        if self._tree_balance and not any(inputs.get("pixel_values") is not None for inputs, _ in window):
+        if self._tree_balance:
             device = window[0][0]["completion_ids"].device
             model_cost = self._cost_model.model
             window, balanced = balance_window(window, self._tokenizer.pad_token_id or 0, device, model_cost)
@@ -394,8 +399,7 @@ class TreeTrainingMixin:
             attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
             layouts.append(_layout(input_ids, attention_mask, inputs["completion_ids"].shape[1]))
             images.extend(_row_images(inputs, input_ids.shape[0]) or [[] for _ in range(input_ids.shape[0])])
-            row_types = _row_types(inputs, attention_mask)
-            types.extend(row_types or [torch.zeros(int(m.sum()), dtype=torch.long) for m in attention_mask])
+            types.append(_row_types(inputs, attention_mask))
         sync = self.accelerator.gradient_state.sync_gradients
         router = RouterLoss([self._router_weight(n) for _, n in window]) if self.aux_loss_enabled else None
 
@@ -426,7 +430,8 @@ class TreeTrainingMixin:
             device=window[0][0]["completion_ids"].device,
             router=router,
             images=images if any(images) else None,
-            token_types=types if any(images) else None,
+            # the processor's token types where every micro-batch has them, else placeholders by id
+            token_types=[t for part in types for t in part] if any(images) and None not in types else None,
         )
         with self.accelerator.autocast():
             if self._engine_replica is None:

@@ -82,7 +82,9 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         else:
             micro_batches, indices = compat.micro_batches(self, data)
         micro_batches = [mb.to(get_device_id()) for mb in micro_batches]  # as stock forward_step does
-        layouts = [_layout(mb) for mb in micro_batches]
+        mine = self._share(micro_batches)  # under Ulysses: this rank's share of them (module ulysses)
+        own = micro_batches if mine is None else [micro_batches[i] for i in mine]
+        layouts = [_layout(mb) for mb in own]
         step = self._step(micro_batches)
         entropy = bool(compat.non_tensor(data, "calculate_entropy", False))
         dtype = getattr(self, "_autocast_dtype", torch.float32)
@@ -91,14 +93,11 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             if dtype == torch.float32
             else torch.autocast(device_type=get_device_name(), dtype=dtype)
         )
-        mine = self._share(micro_batches)
         with autocast, compat.ulysses_off(self):
             if forward_only:
-                outputs = self._score(step, micro_batches, layouts, loss_function, entropy, mine)
+                outputs = self._score(step, own, layouts, loss_function, entropy)
             else:
-                outputs = self._train(
-                    step, micro_batches, layouts, loss_function, entropy, data, balanced, mine
-                )
+                outputs = self._train(step, own, layouts, loss_function, entropy, data, balanced, mine)
         if mine is not None:  # the Ulysses group's micro-batches, on every rank of it
             outputs = gather_outputs(
                 outputs,
@@ -112,9 +111,7 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         return compat.postprocess(outputs, indices, data)
 
     # ------------------------------------------------------------------ the two passes
-    def _score(self, step, micro_batches, layouts, loss_function, entropy: bool, mine) -> list[dict]:
-        if mine is not None:  # this rank's share of its Ulysses group's micro-batches
-            micro_batches, layouts = [micro_batches[i] for i in mine], [layouts[i] for i in mine]
+    def _score(self, step, micro_batches, layouts, loss_function, entropy: bool) -> list[dict]:
         scored = step.score_window(self.module, layouts, entropy=entropy)
         outputs = []
         for mb, (lp, ent) in zip(micro_batches, scored, strict=True):
@@ -131,10 +128,8 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         self, step, micro_batches, layouts, loss_function, entropy: bool, data, balanced, mine
     ) -> list[dict]:
         last: dict[int, tuple[torch.Tensor, dict]] = {}
-        scale = 1
-        if mine is not None:  # this rank's share of its Ulysses group's micro-batches (module ulysses)
-            micro_batches, layouts = [micro_batches[i] for i in mine], [layouts[i] for i in mine]
-            scale = self.ulysses_sequence_parallel_size
+        # A Ulysses group's share (``mine``): each backpropagates sp times its loss (module ulysses).
+        scale = 1 if mine is None else self.ulysses_sequence_parallel_size
 
         def loss_fn(i: int, logps: torch.Tensor, ents: torch.Tensor | None) -> torch.Tensor:
             model_output = _model_output(micro_batches[i], logps, ents if entropy else None)

@@ -29,7 +29,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
+
+from forkrl.core.train import gather_shares
 
 __all__ = ["gather_outputs"]
 
@@ -53,16 +54,8 @@ def gather_outputs(
             (nested tensors travel as their values).
     """
     portable = [(i, _portable(out)) for i, out in zip(mine, outputs, strict=True)]
-    parts: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, portable, group=group)
-    by_index = dict(pair for part in parts for pair in part)
-    if sorted(by_index) != list(range(count)):
-        raise RuntimeError(
-            f"forkrl: the Ulysses group returned micro-batches {sorted(by_index)}, not 0..{count - 1}"
-        )
     restored = []
-    for i in range(count):
-        out = dict(by_index[i])
+    for i, out in enumerate(gather_shares(portable, count, group)):
         if "model_output" in out:
             lp, ent = out.pop("model_output")
             out["model_output"] = rebuild(i, lp, ent)
