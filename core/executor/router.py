@@ -80,9 +80,13 @@ class RouterLoss:
     # ------------------------------------------------------------------ model
     def attach(self, model) -> None:
         """Read the expert count and top-k the model passes to its loss (``num_experts``,
-        ``num_experts_per_tok`` of the ``*ForCausalLM``, as transformers' MoE heads keep them)."""
+        ``num_experts_per_tok`` of the ``*ForCausalLM``, as transformers' MoE heads keep them; a
+        vision-language model's forward reads them from its text config)."""
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         experts, top_k = getattr(base, "num_experts", None), getattr(base, "num_experts_per_tok", None)
+        if experts is None and top_k is None and hasattr(base.config, "text_config"):
+            text = base.config.get_text_config()
+            experts, top_k = getattr(text, "num_experts", None), getattr(text, "num_experts_per_tok", None)
         if not isinstance(experts, int) or not isinstance(top_k, int):
             raise UnsupportedModelError(
                 f"{type(base).__name__} has no num_experts/num_experts_per_tok for its router load-balancing loss, "

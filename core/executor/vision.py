@@ -26,10 +26,12 @@ per shared prefix. :class:`VisionBatch` prepares one batch:
    such layer) and reach the decoder as its ``visual_pos_masks``/``deepstack_visual_embeds`` for the
    unit's image tokens; their gradient joins the rows' in the tower's one backward.
 
-LLaVA (image features spliced into the text embeddings, positions by depth) takes the same path
-with plain positions.
+LLaVA and LLaVA-NeXT (image features spliced into the text embeddings, positions by depth) take
+the same path with plain positions; LLaVA-NeXT's features per image are its crops' packed rows
+(``image_newline`` included), as its ``get_image_features`` makes them.
 
-Supported: Qwen2-VL, Qwen2.5-VL, Qwen3-VL (images; M-RoPE) and LLaVA, in keep and replay modes. Refused with
+Supported: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and Qwen3.5-MoE (images; M-RoPE), LLaVA and
+LLaVA-NeXT, in keep and replay modes. Refused with
 :class:`UnsupportedModelError`: video, packed mode, and other vision-language models (e.g. Gemma 3,
 which attends bidirectionally over an image).
 """
@@ -48,12 +50,16 @@ from ..errors import UnsupportedModelError
 __all__ = ["Image", "VisionBatch"]
 
 #: Supported models and how their images enter: "mrope" (patches and a grid per image, multimodal
-#: RoPE from get_rope_index), "plain" (LLaVA: one ``[C, H, W]`` image, positions by depth).
+#: RoPE from get_rope_index), "plain" (LLaVA: one ``[C, H, W]`` image, positions by depth), "anyres"
+#: (LLaVA-NeXT: ``[crops, C, H, W]`` and the image's size, positions by depth).
 _FAMILIES = {
     "Qwen2VLForConditionalGeneration": "mrope",
     "Qwen2_5_VLForConditionalGeneration": "mrope",
     "Qwen3VLForConditionalGeneration": "mrope",
+    "Qwen3_5ForConditionalGeneration": "mrope",
+    "Qwen3_5MoeForConditionalGeneration": "mrope",
     "LlavaForConditionalGeneration": "plain",
+    "LlavaNextForConditionalGeneration": "anyres",
 }
 _SUPPORTED = tuple(_FAMILIES)
 
@@ -64,12 +70,15 @@ class Image:
 
     Attributes:
         pixel_values: ``[patches, channels * temporal_patch * patch * patch]`` (the Qwen-VL family),
-            or ``[channels, height, width]`` (LLaVA).
+            ``[channels, height, width]`` (LLaVA), or ``[crops, channels, height, width]``
+            (LLaVA-NeXT; crops past the image's own count, a batch's padding, are dropped).
         grid_thw: ``[3]`` the patch grid (temporal, height, width); None for LLaVA.
+        image_size: ``[2]`` the original height and width (LLaVA-NeXT), else None.
     """
 
     pixel_values: torch.Tensor
     grid_thw: torch.Tensor | None = None
+    image_size: torch.Tensor | None = None
 
     def key(self) -> str:
         """Equal for equal pixels and grid (computed once per object)."""
@@ -79,7 +88,8 @@ class Image:
         pixels = self.pixel_values.detach().contiguous().cpu()
         digest = hashlib.sha1(pixels.view(torch.uint8).numpy().tobytes())
         grid = None if self.grid_thw is None else self.grid_thw.tolist()
-        digest.update(str((tuple(pixels.shape), str(pixels.dtype), grid)).encode())
+        size = None if self.image_size is None else self.image_size.tolist()
+        digest.update(str((tuple(pixels.shape), str(pixels.dtype), grid, size)).encode())
         self.__dict__["_key"] = digest.hexdigest()
         return self.__dict__["_key"]
 
@@ -155,6 +165,8 @@ class VisionBatch:
         if len(images) != len(seqs):
             raise ValueError(f"{len(seqs)} sequences but images for {len(images)}")
         kind = _FAMILIES[type(base).__name__]
+        if kind == "anyres":
+            images = [[_crops(config, img) for img in imgs] for imgs in images]
         # LLaVA's forward finds its placeholders by id, whatever token types a host passes
         types = _types(config, seqs, token_types if kind == "mrope" else None)
         if kind == "mrope":  # before the tower runs: the grid says how many rows each image makes
@@ -164,7 +176,9 @@ class VisionBatch:
         for img in (img for imgs in images for img in imgs):
             if unique.setdefault(img.key(), len(ordered)) == len(ordered):
                 ordered.append(img)
-        trains = grad and any(p.requires_grad for p in _vision_tower(base).parameters())
+        newline = getattr(getattr(base, "model", base), "image_newline", None)  # LLaVA-NeXT's row separator
+        tower = [*_vision_tower(base).parameters(), *([newline] if newline is not None else [])]
+        trains = grad and any(p.requires_grad for p in tower)
         per_image, deep = _features(base, ordered, trains, kind)
         rows_of = {img.key(): feats.shape[0] for img, feats in zip(ordered, per_image, strict=True)}
         _check_placeholders(types, images, lambda img: rows_of[img.key()])
@@ -336,15 +350,38 @@ def _features(base: nn.Module, images: list[Image], grad: bool, kind: str) -> tu
                 torch.stack([img.grid_thw for img in images]).to(device),
                 return_dict=True,
             )
-        else:  # LLaVA: the layer and CLS handling its forward passes from the config
-            out = base.get_image_features(
-                pixel_values=torch.stack([img.pixel_values for img in images]).to(device),
-                vision_feature_layer=base.config.vision_feature_layer,
-                vision_feature_select_strategy=base.config.vision_feature_select_strategy,
-                return_dict=True,
-            )
+        else:  # LLaVA(-NeXT): the layer and CLS handling its forward passes from the config
+            cfg = base.config
+            kw = dict(vision_feature_layer=cfg.vision_feature_layer, return_dict=True,
+                      vision_feature_select_strategy=cfg.vision_feature_select_strategy)  # fmt: skip
+            if kind == "anyres":  # each image's crops, one after another, and its size
+                kw.update(pixel_values=torch.cat([img.pixel_values for img in images]).to(device),
+                          image_sizes=torch.stack([img.image_size for img in images]).to(device))  # fmt: skip
+            else:
+                kw.update(pixel_values=torch.stack([img.pixel_values for img in images]).to(device))
+            out = base.get_image_features(**kw)
     deep = [list(layer) for layer in (getattr(out, "deepstack_features", None) or [])]
     return list(out.pooler_output), deep
+
+
+def _crops(config, image: Image) -> Image:
+    """A LLaVA-NeXT image with its own crops only (a batch pads every image to the most crops)."""
+    from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+    if image.image_size is None or image.pixel_values.dim() != 4:
+        raise ValueError("a LLaVA-NeXT image needs pixel_values [crops, C, H, W] and its image_size [2]")
+    n = image_size_to_num_patches(
+        image_size=image.image_size, grid_pinpoints=config.image_grid_pinpoints,
+        patch_size=config.vision_config.image_size,
+    )  # fmt: skip
+    if n > image.pixel_values.shape[0]:
+        raise ValueError(f"a LLaVA-NeXT image of size {image.image_size.tolist()} needs {n} crops, got "
+                         f"{image.pixel_values.shape[0]}")  # fmt: skip
+    return (
+        image
+        if n == image.pixel_values.shape[0]
+        else Image(image.pixel_values[:n], image_size=image.image_size)
+    )
 
 
 def _vision_tower(base: nn.Module) -> nn.Module:

@@ -286,10 +286,8 @@ class TreeStep:
             :class:`StepResult`: the losses, this rank's metrics, the forest.
         """
         window = window if isinstance(window, Window) else Window(window)
-        if router is not None and images is not None:
-            raise ValueError("TreeStep.train: a router loss with images is not supported; drop one of them")
-        forest = window.forest() if images is None else None
-        if router is not None:
+        forest = window.forest() if images is None else None  # with images: built once they are prepared
+        if router is not None and forest is not None:
             router.bind(forest, window.rows)
         mode = self.options.mode_for(max(map(len, window.sequences)), gradient_checkpointing)
         path = "general" if loss_gradient == "constant" and not self.fused_ok else loss_gradient
@@ -309,6 +307,8 @@ class TreeStep:
                 vision = None
                 if images is not None:  # inside the agreement: a bad image fails on every rank
                     vision, built[0] = _forest(target, window, images, grad=True, token_types=token_types)
+                    if router is not None:
+                        router.bind(built[0], window.rows)
                 with executor.images(vision):
                     return backward_window(
                         executor,

@@ -66,7 +66,8 @@ _MULTIMODAL_KEYS = (
     "num_images",
     "num_tiles",
 )
-_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")  # Qwen-VL family, LLaVA
+# Qwen-VL family, LLaVA, LLaVA-NeXT (image_sizes)
+_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids", "image_sizes")
 # Loss types whose gradient at ratio 1 (old log-probs = current, detached) is constant.
 _KNOWN_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 
@@ -79,8 +80,10 @@ def _layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int) -
 def _row_images(inputs: dict, rows: int) -> list[list[Image]] | None:
     """Per row, its images, from TRL's fields for a micro-batch; None without images. The Qwen-VL
     family: ``pixel_values`` ``[patches, d]`` of all its images in order, ``image_grid_thw``
-    ``[images, 3]``; LLaVA: ``pixel_values`` ``[images, C, H, W]``; ``num_images`` per row."""
+    ``[images, 3]``; LLaVA: ``pixel_values`` ``[images, C, H, W]``; LLaVA-NeXT: ``pixel_values``
+    ``[images, crops, C, H, W]`` and ``image_sizes`` ``[images, 2]``; ``num_images`` per row."""
     pixels, grid, counts = inputs.get("pixel_values"), inputs.get("image_grid_thw"), inputs.get("num_images")
+    sizes = inputs.get("image_sizes")
     if pixels is None:
         return None
     if counts is None or len(counts) != rows or (grid is None and pixels.shape[0] != sum(counts)):
@@ -88,10 +91,14 @@ def _row_images(inputs: dict, rows: int) -> list[list[Image]] | None:
             "tree_packing needs each row's image count (num_images) and each image's pixels (with image_grid_thw "
             f"for the Qwen-VL family) for {rows} rows: turn tree_packing off for this model"
         )
-    per_image = (
-        [Image(p) for p in pixels] if grid is None else
-        [Image(p, g) for p, g in zip(torch.split(pixels, grid.prod(-1).tolist()), grid, strict=True)]
-    )  # fmt: skip
+    if grid is not None:
+        per_image = [
+            Image(p, g) for p, g in zip(torch.split(pixels, grid.prod(-1).tolist()), grid, strict=True)
+        ]
+    elif sizes is not None:
+        per_image = [Image(p, image_size=s) for p, s in zip(pixels, sizes, strict=True)]
+    else:
+        per_image = [Image(p) for p in pixels]
     out, k = [], 0
     for n in counts:
         out.append(per_image[k : k + int(n)])
@@ -392,7 +399,8 @@ class TreeTrainingMixin:
             present = [k for k in _MULTIMODAL_KEYS if k not in _IMAGE_KEYS and inputs.get(k) is not None]
             if present:
                 raise ValueError(
-                    f"tree_packing takes images as Qwen2-VL's processor gives them (pixel_values, image_grid_thw) but "
+                    "tree_packing takes images as the Qwen-VL, LLaVA and LLaVA-NeXT processors give them (pixel_values, "
+                    "image_grid_thw, image_sizes) but "
                     f"the batch carries {present}: turn tree_packing off"
                 )
             input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)

@@ -45,6 +45,30 @@ def _model(family: str, seed: int = 0, frozen_vision: bool = False):
             video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END,
         )  # fmt: skip
         cls = transformers.Qwen3VLForConditionalGeneration
+    elif family.startswith("qwen3_5"):  # linear-attention and full-attention layers; the MoE: router logits
+        vision.update(intermediate_size=64, out_hidden_size=32, num_position_embeddings=16)
+        text.update(
+            head_dim=8, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+            linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+        )  # fmt: skip
+        moe = family == "qwen3_5_moe"
+        if moe:
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=32)  # fmt: skip
+        cfg_cls = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
+        config = cfg_cls(
+            text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=VIDEO,
+            vision_start_token_id=START, vision_end_token_id=END,
+        )  # fmt: skip
+        cls = (
+            transformers.Qwen3_5MoeForConditionalGeneration
+            if moe
+            else transformers.Qwen3_5ForConditionalGeneration
+        )
+        if moe:  # grouped_mm has no float64 kernel
+            from forkrl.core import compat
+
+            compat.set_experts_implementation(config, "eager")
     else:
         vision.update(intermediate_size=64, out_hidden_size=32, fullatt_block_indexes=[1], window_size=8)
         config = transformers.Qwen2_5_VLConfig(
@@ -90,7 +114,7 @@ def _dense(model, sequences, images, score_from, coefs):
     return lps
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe"])
 @pytest.mark.parametrize("mode", ["keep", "replay"])
 def test_images_on_a_tree_equal_the_models_forward(family, mode):
     """Log-probs and every parameter's gradient (vision tower included) equal the model's own
@@ -348,3 +372,68 @@ def test_llava_images_on_a_tree_equal_the_models_forward(mode):
     assert max_rel_err(grads(model), want_grads) < 1e-10
     projector = [p.grad for p in model.model.multi_modal_projector.parameters()]
     assert all(p is not None and p.abs().sum() > 0 for p in projector)
+
+
+@pytest.mark.parametrize("mode", ["keep", "replay"])
+def test_llava_next_images_on_a_tree_equal_the_models_forward(mode):
+    """LLaVA-NeXT (each image cut into crops by its size, rows packed with ``image_newline``; a
+    batch's crops padded to the most): float64 log-probs and gradients equal its own forward, the
+    padding crops dropped before an image is keyed."""
+    import transformers
+
+    config = transformers.LlavaNextConfig(
+        text_config=dict(model_type="llama", vocab_size=300, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, image_size=8, patch_size=2),
+        image_token_index=IMAGE, image_grid_pinpoints=[[8, 8], [8, 16], [16, 8], [16, 16]],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlavaNextForConditionalGeneration(config).double().eval()
+    g = torch.Generator().manual_seed(6)
+    crops = lambda n: torch.randn(n, 3, 8, 8, generator=g, dtype=torch.float64)  # noqa: E731
+    a = Image(crops(3), image_size=torch.tensor([8, 14]))  # two tiles and the overview
+    b = Image(crops(2), image_size=torch.tensor([8, 8]))
+    padded_b = Image(
+        torch.cat([b.pixel_values, torch.zeros(1, 3, 8, 8, dtype=torch.float64)]), image_size=b.image_size
+    )
+    with torch.no_grad():
+        rows = [f.shape[0] for f in model.model.get_image_features(
+            pixel_values=torch.cat([a.pixel_values, b.pixel_values]), image_sizes=torch.stack([a.image_size, b.image_size]),
+            vision_feature_layer=config.vision_feature_layer,
+            vision_feature_select_strategy=config.vision_feature_select_strategy,
+        ).pooler_output]  # fmt: skip
+    rand = lambda n: torch.randint(0, 250, (n,), generator=g).tolist()  # noqa: E731
+    text = rand(4)
+    rows_ = [([1, 2] + [IMAGE] * rows[0] + text, [a], rand(2 + k)) for k in range(3)]
+    rows_ += [
+        ([1, 2] + [IMAGE] * rows[1] + text, [b], rand(3)),
+        ([1, 2] + [IMAGE] * rows[1] + text, [padded_b], rand(2)),
+    ]
+    sequences = [p + r for p, _, r in rows_]
+    images = [i for _, i, _ in rows_]
+    score_from = [len(p) for p, _, _ in rows_]
+    coefs = [
+        torch.randn(len(s) - sf, generator=g, dtype=torch.float64)
+        for s, sf in zip(sequences, score_from, strict=True)
+    ]
+    with Float64Mode():
+        want = []
+        for seq, imgs, sf, c in zip(sequences, images, score_from, coefs, strict=True):
+            ids = torch.tensor(seq)[None]
+            kw = {"pixel_values": imgs[0].pixel_values[None], "image_sizes": imgs[0].image_size[None]}
+            logits = model(input_ids=ids, use_cache=False, **kw).logits[0]
+            lp = torch.log_softmax(logits.float(), -1)[sf - 1 : -1].gather(-1, ids[0, sf:, None])[:, 0]
+            (lp * c).sum().backward()
+            want.append(lp.detach())
+        want_grads = grads(model)
+        model.zero_grad(set_to_none=True)
+        vision = VisionBatch.prepare(model, sequences, images)
+        forest = PrefixForest.build(vision.sequences, score_from)
+        got = TreeExecutor(model, mode=mode, block_size=5 if mode == "replay" else None).backward(
+            forest, grad_logprobs=coefs, vision=vision
+        )
+    assert vision.unique_images == 2  # b and its padded copy are one image
+    assert max_rel_err(got.logprobs, want) < 1e-12
+    assert max_rel_err(grads(model), want_grads) < 1e-10
+    assert model.model.image_newline.grad is not None and model.model.image_newline.grad.abs().sum() > 0
