@@ -218,7 +218,10 @@ class DepthFirstPass:
             pos = torch.arange(start, start + ids.shape[1], device=self.device).expand(ids.shape[0], -1)
             return self.adapter.hidden(ids, pos, cache=cache, routers=routers)
         embeds, pos, extra = vision.inputs(self.adapter.base.get_input_embeddings(), ids, start, nodes)
-        return self.adapter.hidden(None, pos, cache=cache, routers=routers, inputs_embeds=embeds, **extra)
+        mask = vision.attention(self.adapter.base, embeds, pos, cache, ids, start, nodes)
+        return self.adapter.hidden(
+            None, pos, cache=cache, attention_mask=mask, routers=routers, inputs_embeds=embeds, **extra
+        )
 
     def _routers(self) -> list | None:
         """A list for the next forward's router logits, or None when this forward records none."""

@@ -30,10 +30,13 @@ LLaVA and LLaVA-NeXT (image features spliced into the text embeddings, positions
 the same path with plain positions; LLaVA-NeXT's features per image are its crops' packed rows
 (``image_newline`` included), as its ``get_image_features`` makes them.
 
-Supported: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and Qwen3.5-MoE (images; M-RoPE), LLaVA and
-LLaVA-NeXT, in keep and replay modes. Refused with
-:class:`UnsupportedModelError`: video, packed mode, and other vision-language models (e.g. Gemma 3,
-which attends bidirectionally over an image).
+5. **Both-way attention within an image** (Gemma 3): a unit holding image tokens gets the model's
+   own masks (``create_masks_for_vision_model``) with each run of image tokens one block. An image
+   never spans two forest nodes; a replay block that would cut one is refused.
+
+Supported: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and Qwen3.5-MoE (images; M-RoPE), LLaVA,
+LLaVA-NeXT and Gemma 3, in keep and replay modes. Refused with :class:`UnsupportedModelError`:
+video, packed mode, and other vision-language models (e.g. Gemma 4, SmolVLM, InternVL).
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ __all__ = ["Image", "VisionBatch"]
 
 #: Supported models and how their images enter: "mrope" (patches and a grid per image, multimodal
 #: RoPE from get_rope_index), "plain" (LLaVA: one ``[C, H, W]`` image, positions by depth), "anyres"
-#: (LLaVA-NeXT: ``[crops, C, H, W]`` and the image's size, positions by depth).
+#: (LLaVA-NeXT: ``[crops, C, H, W]`` and the image's size, positions by depth), "gemma3" (one
+#: ``[C, H, W]`` image, positions by depth, an image's tokens attending to each other both ways).
 _FAMILIES = {
     "Qwen2VLForConditionalGeneration": "mrope",
     "Qwen2_5_VLForConditionalGeneration": "mrope",
@@ -60,6 +64,7 @@ _FAMILIES = {
     "Qwen3_5MoeForConditionalGeneration": "mrope",
     "LlavaForConditionalGeneration": "plain",
     "LlavaNextForConditionalGeneration": "anyres",
+    "Gemma3ForConditionalGeneration": "gemma3",
 }
 _SUPPORTED = tuple(_FAMILIES)
 
@@ -128,6 +133,7 @@ class VisionBatch:
         self._deep_graph = deep_graph or []
         self.unique_images = unique_images
         self._through: list[int] | None = None
+        self.bidirectional = False  # Gemma 3: an image's tokens attend to each other both ways
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -202,10 +208,12 @@ class VisionBatch:
         ]
         rows = graph.detach().requires_grad_(trains)
         deep_rows = [g.detach().requires_grad_(trains) for g in deep_graph]
-        return cls(
+        batch = cls(
             tree_seqs, positions, vocab, rows, graph if trains else None, len(ordered),
             deep_rows, deep_graph if trains else None,
         )  # fmt: skip
+        batch.bidirectional = kind == "gemma3"
+        return batch
 
     # ------------------------------------------------------------------ in a pass
     def check(self, forest, mode: str) -> None:
@@ -273,6 +281,48 @@ class VisionBatch:
                 "deepstack_visual_embeds": [d.to(embeds.device, embeds.dtype)[index] for d in self.deep_rows],
             }
         return embeds, torch.stack(pos, dim=-2).to(ids.device), extra
+
+    def attention(self, base: nn.Module, embeds: torch.Tensor, positions: torch.Tensor, cache, ids: torch.Tensor,
+                  start: int, nodes: Sequence[int]) -> dict | None:  # fmt: skip
+        """Gemma 3's masks for a unit holding image tokens (else None: the decoder's own causal masks).
+
+        The model's own ``create_masks_for_vision_model`` over the ancestors' cache, with each run of
+        image tokens one block that attends to itself both ways (positions before ``start`` are in
+        the cache, never in a block: an image never spans two forest nodes, whose ids differ from
+        the image's first token). A unit that splits an image (a replay block boundary inside it)
+        is refused: its later tokens' keys are not there yet.
+
+        Args:
+            base: the model (``*ForConditionalGeneration``).
+            embeds: ``[B, n, hidden]`` the unit's input embeddings.
+            positions: ``[B, n]`` its position ids.
+            cache: the ancestors' cache the decoder runs over.
+            ids: ``[B, n]`` tree token ids; ``start``: the absolute position of column 0.
+            nodes: per row, its forest node.
+
+        Returns:
+            ``{"full_attention": mask, "sliding_attention": mask}`` or None.
+        """
+        virtual = ids >= self.vocab
+        if not self.bidirectional or not bool(virtual.any()):
+            return None
+        for node in nodes:
+            seq = self.sequences[self._through[node]]
+            for k in (start, start + ids.shape[1]):
+                if 0 < k < len(seq) and bool(seq[k - 1] >= self.vocab) and bool(seq[k] >= self.vocab):
+                    raise UnsupportedModelError(
+                        "Gemma 3 attends both ways within an image, and this pass cuts an image into two blocks: "
+                        "use mode='keep', or a replay block size of at least the image's tokens"
+                    )
+        from transformers.models.gemma3.modeling_gemma3 import create_masks_for_vision_model
+
+        starts = virtual & ~torch.nn.functional.pad(virtual, (1, 0), value=False)[:, :-1]
+        blocks = torch.where(virtual, torch.cumsum(starts.long(), dim=1) - 1, -1)
+        past = torch.full((ids.shape[0], start), -1, dtype=blocks.dtype, device=blocks.device)
+        return create_masks_for_vision_model(
+            config=base.config.get_text_config(), inputs_embeds=embeds, attention_mask=None, cache=cache,
+            position_ids=positions, block_sequence_ids=torch.cat([past, blocks], dim=1),
+        )  # fmt: skip
 
     def finish(self) -> None:
         """After a gradient pass: the image rows' accumulated gradient through the vision tower, once."""
@@ -349,6 +399,10 @@ def _features(base: nn.Module, images: list[Image], grad: bool, kind: str) -> tu
                 torch.cat([img.pixel_values for img in images]).to(device),
                 torch.stack([img.grid_thw for img in images]).to(device),
                 return_dict=True,
+            )
+        elif kind == "gemma3":
+            out = base.get_image_features(
+                torch.stack([img.pixel_values for img in images]).to(device), return_dict=True
             )
         else:  # LLaVA(-NeXT): the layer and CLS handling its forward passes from the config
             cfg = base.config

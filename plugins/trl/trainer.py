@@ -66,8 +66,15 @@ _MULTIMODAL_KEYS = (
     "num_images",
     "num_tiles",
 )
-# Qwen-VL family, LLaVA, LLaVA-NeXT (image_sizes)
-_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids", "image_sizes")
+# Qwen-VL family, LLaVA, LLaVA-NeXT (image_sizes), Gemma 3 (token_type_ids: its images attend both ways)
+_IMAGE_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "mm_token_type_ids",
+    "image_sizes",
+    "token_type_ids",
+)
 # Loss types whose gradient at ratio 1 (old log-probs = current, detached) is constant.
 _KNOWN_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 
@@ -399,8 +406,8 @@ class TreeTrainingMixin:
             present = [k for k in _MULTIMODAL_KEYS if k not in _IMAGE_KEYS and inputs.get(k) is not None]
             if present:
                 raise ValueError(
-                    "tree_packing takes images as the Qwen-VL, LLaVA and LLaVA-NeXT processors give them (pixel_values, "
-                    "image_grid_thw, image_sizes) but "
+                    "tree_packing takes images as the Qwen-VL, LLaVA(-NeXT) and Gemma 3 processors give them "
+                    "(pixel_values, image_grid_thw, image_sizes, token_type_ids) but "
                     f"the batch carries {present}: turn tree_packing off"
                 )
             input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)

@@ -437,3 +437,81 @@ def test_llava_next_images_on_a_tree_equal_the_models_forward(mode):
     assert max_rel_err(got.logprobs, want) < 1e-12
     assert max_rel_err(grads(model), want_grads) < 1e-10
     assert model.model.image_newline.grad is not None and model.model.image_newline.grad.abs().sum() > 0
+
+
+def _gemma3(seed: int = 0):
+    """A tiny Gemma 3: SigLIP tower (8x8 images, patch 2, pooled to 4 rows), a sliding-window layer
+    (window 6) and a full one."""
+    import transformers
+
+    config = transformers.Gemma3Config(
+        text_config=dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=6,
+                         layer_types=["sliding_attention", "full_attention"]),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=8, patch_size=2, vision_use_head=False),
+        image_token_index=IMAGE, boi_token_index=START, eoi_token_index=END, mm_tokens_per_image=4,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return transformers.Gemma3ForConditionalGeneration(config).double().eval()
+
+
+def _gemma3_rows():
+    g = torch.Generator().manual_seed(7)
+    rand = lambda n: torch.randint(0, 250, (n,), generator=g).tolist()  # noqa: E731
+    a, b = (Image(torch.randn(3, 8, 8, generator=g, dtype=torch.float64)) for _ in range(2))
+    text = rand(3)
+    img = [START] + [IMAGE] * 4 + [END]
+    rows = [([2] + img + text, [a], rand(3 + k)) for k in range(3)]
+    rows += [
+        ([2] + img + text, [b], rand(4)),
+        ([2] + img + [9] + img + text, [a, b], rand(2)),
+        (text, [], rand(3)),
+    ]
+    coefs = [torch.randn(len(r), generator=g, dtype=torch.float64) for _, _, r in rows]
+    return [p + r for p, _, r in rows], [i for _, i, _ in rows], [len(p) for p, _, _ in rows], coefs
+
+
+@pytest.mark.parametrize("mode", ["keep", "replay"])
+def test_gemma3_images_attend_both_ways_on_a_tree(mode):
+    """Gemma 3 (an image's tokens attend to each other both ways, as its forward does with
+    ``token_type_ids``; a sliding-window layer): float64 log-probs and gradients equal its own
+    forward; a replay block that would cut an image is refused before anything changed."""
+    sequences, images, score_from, coefs = _gemma3_rows()
+    with Float64Mode():
+        model = _gemma3()
+        want = []
+        for seq, imgs, sf, c in zip(sequences, images, score_from, coefs, strict=True):
+            ids = torch.tensor(seq)[None]
+            kw = {"pixel_values": torch.stack([i.pixel_values for i in imgs])} if imgs else {}
+            logits = model(input_ids=ids, token_type_ids=(ids == IMAGE).long(), use_cache=False, **kw).logits[
+                0
+            ]
+            lp = torch.log_softmax(logits.float(), -1)[sf - 1 : -1].gather(-1, ids[0, sf:, None])[:, 0]
+            (lp * c).sum().backward()
+            want.append(lp.detach())
+        want_grads = grads(model)
+        model.zero_grad(set_to_none=True)
+        vision = VisionBatch.prepare(model, sequences, images)
+        forest = PrefixForest.build(vision.sequences, score_from)
+        if mode == "replay":  # a block of 3 cuts the first image (positions 2..5)
+            with pytest.raises(UnsupportedModelError, match="both ways within an image"):
+                TreeExecutor(model, mode="replay", block_size=3).backward(
+                    forest, grad_logprobs=coefs, vision=vision
+                )
+            assert all(p.grad is None for p in model.parameters())
+            vision = VisionBatch.prepare(model, sequences, images)
+        ex = TreeExecutor(model, mode=mode, block_size=16 if mode == "replay" else None)
+        got = ex.backward(forest, grad_logprobs=coefs, vision=vision)
+    assert vision.unique_images == 2
+    assert max_rel_err(got.logprobs, want) < 1e-12
+    assert max_rel_err(grads(model), want_grads) < 1e-10
+    # causal attention within the image would differ: the masks are not the decoder's defaults
+    with Float64Mode(), torch.no_grad():
+        ids = torch.tensor(sequences[0])[None]
+        px = images[0][0].pixel_values[None]
+        causal = model(input_ids=ids, pixel_values=px, use_cache=False).logits
+        both = model(
+            input_ids=ids, pixel_values=px, token_type_ids=(ids == IMAGE).long(), use_cache=False
+        ).logits
+    assert not torch.allclose(causal, both)

@@ -67,6 +67,48 @@ def _llava_processor():
     )  # fmt: skip
 
 
+def _gemma3_processor():
+    """Gemma 3's processor over the byte tokenizer: an 8x8 image makes 4 image tokens (SigLIP patch
+    2, pooled 2x2) between its begin and end tokens; the tokenizer names them as Gemma's does."""
+    import tempfile
+
+    from transformers import AutoTokenizer, Gemma3ImageProcessor, Gemma3Processor
+
+    from forkrl.core.testing.models import byte_tokenizer
+
+    named = {
+        "boi_token": "<start_of_image>",
+        "image_token": "<image_soft_token>",
+        "eoi_token": "<end_of_image>",
+    }
+    tok = byte_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": list(named.values())})
+    with tempfile.TemporaryDirectory() as tmp:
+        tok.save_pretrained(tmp)
+        tok = AutoTokenizer.from_pretrained(tmp, extra_special_tokens=named)
+    template = TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<start_of_image>")
+    image = Gemma3ImageProcessor(size={"height": 8, "width": 8})
+    return Gemma3Processor(image_processor=image, tokenizer=tok, chat_template=template, image_seq_length=4)
+
+
+def _gemma3(tok):
+    import transformers
+
+    config = transformers.Gemma3Config(
+        text_config=dict(vocab_size=len(tok) + 2, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=16,
+                         layer_types=["sliding_attention", "full_attention"], pad_token_id=tok.pad_token_id,
+                         eos_token_id=tok.eos_token_id, bos_token_id=None),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=8, patch_size=2, vision_use_head=False),
+        image_token_index=tok.convert_tokens_to_ids("<image_soft_token>"),
+        boi_token_index=tok.convert_tokens_to_ids("<start_of_image>"),
+        eoi_token_index=tok.convert_tokens_to_ids("<end_of_image>"), mm_tokens_per_image=4,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Gemma3ForConditionalGeneration(config)
+
+
 def _llava(tok):
     import transformers
 
@@ -123,13 +165,11 @@ def _train(tmp_path, forkrl: bool, kind: str = "grpo", **kw):
 
     from forkrl.plugins import trl as ftrl
 
-    llava = kind.endswith("llava")
-    processor = _llava_processor() if llava else _processor()
-    model = tmp_path / (
-        "llava" if llava else "model"
-    )  # a path, as users pass it (TRL loads the reference from it)
+    family = kind.split("-")[1] if "-" in kind else "qwen2_vl"
+    processor = {"llava": _llava_processor, "gemma3": _gemma3_processor}.get(family, _processor)()
+    model = tmp_path / family  # a path, as users pass it (TRL loads the reference from it)
     if not model.exists():
-        (_llava if llava else _model)(processor.tokenizer).save_pretrained(model)
+        {"llava": _llava, "gemma3": _gemma3}.get(family, _model)(processor.tokenizer).save_pretrained(model)
     args = base_args(tmp_path / ("tree" if forkrl else "stock"), max_steps=2, max_completion_length=8, **kw)
     config, trainer_cls = ("RLOOConfig", "RLOOTrainer") if kind == "rloo" else ("GRPOConfig", "GRPOTrainer")
     if forkrl:
@@ -140,7 +180,7 @@ def _train(tmp_path, forkrl: bool, kind: str = "grpo", **kw):
         model=str(model),
         reward_funcs=_reward,
         args=args,
-        train_dataset=_dataset(size=8 if llava else 56),
+        train_dataset=_dataset(size=56 if family == "qwen2_vl" else 8),
         processing_class=processor,
     )
     init = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -150,8 +190,14 @@ def _train(tmp_path, forkrl: bool, kind: str = "grpo", **kw):
 
 @pytest.mark.parametrize(
     "kind,extra",
-    [("grpo", {}), ("grpo", {"beta": 0.04, "num_iterations": 2}), ("rloo", {}), ("grpo-llava", {})],
-    ids=["grpo", "grpo-kl-two-iterations", "rloo", "grpo-llava"],
+    [
+        ("grpo", {}),
+        ("grpo", {"beta": 0.04, "num_iterations": 2}),
+        ("rloo", {}),
+        ("grpo-llava", {}),
+        ("grpo-gemma3", {"beta": 0.04}),
+    ],
+    ids=["grpo", "grpo-kl-two-iterations", "rloo", "grpo-llava", "grpo-gemma3-kl"],
 )
 def test_a_vision_language_model_equals_stock(tmp_path, kind, extra):
     init, stock, _ = _train(tmp_path, forkrl=False, kind=kind, **extra)
