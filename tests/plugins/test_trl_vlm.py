@@ -203,8 +203,30 @@ def test_a_vision_language_model_equals_stock(tmp_path, kind, extra):
     init, stock, _ = _train(tmp_path, forkrl=False, kind=kind, **extra)
     _, tree, trainer = _train(tmp_path, forkrl=True, kind=kind, **extra)
     rel = relative_difference(tree, stock, init)  # of the update
+    print(f"{kind} {extra}: {rel:.2e} of the update")
     assert rel < 1e-4, rel
     visual = [n for n in tree if "visual" in n or "vision_tower" in n]
     assert visual and any(not torch.equal(tree[n], init[n]) for n in visual)  # the tower trained
     logged = [h for h in trainer.state.log_history if "tree/compression" in h]
     assert logged and all(h["tree/compression"] > 1 for h in logged)
+
+
+@pytest.mark.parametrize("kind", ["grpo", "grpo-gemma3"])
+def test_a_vision_language_model_follows_bf16_autocast(tmp_path, kind):
+    """TRL's default precision (``bf16=True``: autocast over float32 parameters), with the reference
+    model scored on the tree (``beta > 0``): the tree's update is a bf16 update as accurate as stock's
+    (``Bf16Rounding``, as ``test_trl_precision.py`` takes it for text models)."""
+    from forkrl.core.testing import Bf16Rounding
+
+    def update(params, init):
+        return torch.cat([(params[n].double() - init[n].double()).flatten() for n in sorted(params)])
+
+    init, exact, _ = _train(tmp_path, forkrl=False, kind=kind, beta=0.04)
+    _, stock, _ = _train(tmp_path / "bf16", forkrl=False, kind=kind, beta=0.04, bf16=True)
+    _, tree, trainer = _train(tmp_path / "bf16", forkrl=True, kind=kind, beta=0.04, bf16=True)
+    assert trainer._tree_step is not None and trainer.args.bf16
+    exact, stock, tree = update(exact, init), update(stock, init), update(tree, init)
+    assert float((stock - exact).norm()) > 1e-4 * float(exact.norm()), "bf16 did not round anything"
+    rounding = Bf16Rounding(kind, tree, stock, exact)
+    print(f"{kind}: |tree - fp32| {rounding.off:.3f}, |tree - stock| {rounding.near:.3f} of the bf16 gap")
+    rounding.check_follows(near=1.5)
