@@ -1,6 +1,9 @@
 """forkrl's Ray actors for OpenRLHF: the policy (tree training, tree-scored old log-probs) and the
 reference model (tree-scored reference log-probs).
 
+A vision-language model's old and reference log-probs are tree-scored with its images (each
+sample's ``mm_train_inputs``: :func:`~.trainer.row_images`).
+
 Ray pickles actor classes by reference, so these live in an importable module: every worker
 imports forkrl and builds these classes, whatever the driver patched. Each subclasses OpenRLHF's
 own actor class (``__ray_actor_class__``) and is wrapped with ``ray.remote`` as OpenRLHF wraps its
@@ -20,10 +23,9 @@ from openrlhf.trainer.ray.ppo_actor import PolicyModelActor as _HostPolicy
 from forkrl.core import TreeStep
 
 from ..deepspeed import gathered
-from ..fields import has_content
 from . import compat
 from .options import options_from
-from .trainer import TreeActorPPOTrainer, score_log_probs, tree_module
+from .trainer import TreeActorPPOTrainer, row_images, score_log_probs, tree_module
 
 __all__ = ["PolicyModelActor", "ReferenceModelActor", "TreePolicyModelActor", "TreeReferenceModelActor"]
 
@@ -43,17 +45,22 @@ class TreePolicyModelActor(_HostPolicy.__ray_actor_class__):
         packed_seq_lens=None,
         mm_train_inputs_list=None,
     ) -> torch.Tensor:
-        """Old-policy action log-probs ``[B, num_actions]``: tree-scored with tree training on."""
+        """Old-policy action log-probs ``[B, num_actions]``: tree-scored with tree training on (with
+        each row's images for a vision-language actor)."""
         tree = getattr(self.trainer, "tree_step", None)
         module = tree_module(self.actor)
-        # By content: OpenRLHF passes mm_train_inputs_list=[[None], ...] for text samples too.
-        if tree is None or has_content(mm_train_inputs_list) or action_mask is None:
+        if tree is None or action_mask is None:
             return super().forward(
                 sequences, action_mask, attention_mask, packed_seq_lens, mm_train_inputs_list
             )
         device = next(module.parameters()).device
         return score_log_probs(
-            tree, module, sequences.to(device), action_mask.to(device), attention_mask.to(device)
+            tree,
+            module,
+            sequences.to(device),
+            action_mask.to(device),
+            attention_mask.to(device),
+            images=_images(self.actor, mm_train_inputs_list, sequences.shape[0]),
         )
 
 
@@ -81,14 +88,26 @@ class TreeReferenceModelActor(_HostReference.__ray_actor_class__):
         """Reference action log-probs ``[B, num_actions]``: tree-scored with tree training on."""
         tree = getattr(self, "tree_step", None)
         module = tree_module(self.model)
-        if tree is None or return_output or has_content(mm_train_inputs_list) or action_mask is None:
+        if tree is None or return_output or action_mask is None:
             return super().forward(
                 sequences, action_mask, attention_mask, return_output, packed_seq_lens, mm_train_inputs_list
             )
         device = next(module.parameters()).device
         return score_log_probs(
-            tree, module, sequences.to(device), action_mask.to(device), attention_mask.to(device)
+            tree,
+            module,
+            sequences.to(device),
+            action_mask.to(device),
+            attention_mask.to(device),
+            images=_images(self.model, mm_train_inputs_list, sequences.shape[0]),
         )
+
+
+def _images(actor: Any, mm_train_inputs_list: Any, rows: int):
+    """Per row, its images for a vision-language ``actor`` (OpenRLHF's ``Actor``); None otherwise,
+    as OpenRLHF's actors ignore the field for a text model. By content: OpenRLHF passes
+    ``mm_train_inputs_list=[[None], ...]`` for text samples too."""
+    return row_images(mm_train_inputs_list, rows) if getattr(actor, "is_vlm", False) else None
 
 
 # Ray actor classes, built as OpenRLHF builds its own (one GPU per actor by default).

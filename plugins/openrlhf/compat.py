@@ -268,6 +268,31 @@ def _ring() -> None:
     assert "if RING_ATTN_SWITCH" in inspect.getsource(hf_adapter.substitute_hf_flash_attn)
 
 
+def _vlm() -> None:
+    from openrlhf.models import Actor
+    from openrlhf.trainer.ppo_utils.experience import Experience
+    from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+    from openrlhf.utils import vlm_utils
+
+    assert "mm_train_inputs" in Experience.__dataclass_fields__
+    init, forward = inspect.getsource(Actor.__init__), inspect.getsource(Actor.forward)
+    assert "self.is_vlm = is_vlm_model(pretrain_or_model)" in init
+    # The placeholders by id over the whole row (video 2), as the tree finds them without token types.
+    for needle in (
+        "token_type_ids = (sequences == cfg.image_token_id)",
+        "token_type_ids[sequences == cfg.video_token_id] = 2",
+        "position_ids = None",
+    ):
+        assert needle in forward, needle
+    # One dict (or None) per sample, concatenated in row order: row_images splits them back per row.
+    merge = inspect.getsource(vlm_utils.merge_mm_train_inputs)
+    assert "for mm_dict in (item if isinstance(item, list) else [item])" in merge
+    assert "torch.cat(v, dim=0)" in merge
+    assert "merge_mm_train_inputs(experience.mm_train_inputs" in inspect.getsource(
+        ActorPPOTrainer.training_step
+    )
+
+
 PRIVATES: tuple[Private, ...] = (
     Private("swaps", "the names SWAPS replaces exist and are looked up where the plugin expects", _swaps),
     Private("window", "ppo_train groups micro-batches with iter_grad_accum_global_norm", _window),
@@ -285,6 +310,12 @@ PRIVATES: tuple[Private, ...] = (
         "the ring-attention group (get_ring_attn_group) and ring_flash_attn's switch (use_ring_attn), which "
         "the tree turns off inside its passes",
         _ring,
+    ),
+    Private(
+        "vlm",
+        "a vision-language Actor (is_vlm) takes each sample's mm_train_inputs dict, concatenated in row order, "
+        "its placeholders found by image_token_id and its positions computed by the model",
+        _vlm,
     ),
 )
 

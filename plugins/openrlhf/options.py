@@ -30,6 +30,7 @@ __all__ = [
     "ForkrlOptions",
     "balance_setting",
     "check_host_args",
+    "check_vlm_args",
     "flag_parser",
     "options_from",
     "parse_flags",
@@ -132,9 +133,10 @@ def _balance_unsafe(args: Any) -> str | None:
     return None
 
 
-def balance_setting(args: Any, options: ForkrlOptions, world: int) -> bool:
-    """Whether each optimizer step's rows are rebalanced over the ``world`` data-parallel ranks."""
-    if (_get(args, "ds.ring_attn_size", 1) or 1) > 1:
+def balance_setting(args: Any, options: ForkrlOptions, world: int, vlm: bool = False) -> bool:
+    """Whether each optimizer step's rows are rebalanced over the ``world`` data-parallel ranks
+    (never for a vision-language actor, whose rows would move without their images)."""
+    if (_get(args, "ds.ring_attn_size", 1) or 1) > 1 or vlm:
         return False  # a ring-attention group shares its micro-batches instead (trainer module)
     return options.tree_balance != "off" and world > 1 and _balance_unsafe(args) is None
 
@@ -179,6 +181,48 @@ def check_host_args(args: Any, options: ForkrlOptions) -> None:
             options.tree_balance == "on" and _balance_unsafe(args) is not None,
             f"--forkrl.tree_balance on would change the update: {_balance_unsafe(args)}; use --forkrl.tree_balance "
             "auto (which leaves the rows in place there) or off",
+        ),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ValueError(f"{flag}: {why}; or train without {flag}")
+
+
+def check_vlm_args(args: Any, options: ForkrlOptions) -> None:
+    """Refuse OpenRLHF settings that a vision-language actor's tree training cannot serve.
+
+    OpenRLHF itself trains such an actor unpacked (``train_ppo_ray`` refuses ``--ds.packing_samples``
+    with images: packing breaks the rows' alignment with their pixels and the model's own M-RoPE
+    positions), and the tree takes images in keep and replay modes only.
+
+    Raises:
+        ValueError: naming the flag and the alternative.
+    """
+    flag = "--forkrl.tree_packing" if options.tree_packing else "--forkrl.long_context_replay"
+    refusals = [
+        (
+            (_get(args, "ds.ring_attn_size", 1) or 1) > 1,
+            "a vision-language actor's images are not split over a ring-attention group (--ds.ring_attn_size > 1, "
+            "which also packs samples): use --ds.ring_attn_size 1",
+        ),
+        (
+            bool(_get(args, "train.dynamic_batch_enable", False)),
+            "--train.dynamic_batch_enable packs samples, which OpenRLHF does not do for a vision-language actor: "
+            "drop --train.dynamic_batch_enable",
+        ),
+        (
+            bool(_get(args, "ds.packing_samples", False)),
+            "OpenRLHF does not pack a vision-language actor's samples (packing breaks the rows' alignment with "
+            "their pixel_values and the model's own positions): drop --ds.packing_samples",
+        ),
+        (
+            options.tree_mode == "packed",
+            "images run on a tree in keep or replay mode: use --forkrl.tree_mode auto, keep or replay",
+        ),
+        (
+            options.tree_balance == "on",
+            "--forkrl.tree_balance on would move a vision-language actor's rows between ranks without their images: "
+            "use --forkrl.tree_balance auto (which leaves them in place) or off",
         ),
     ]
     for refused, why in refusals:

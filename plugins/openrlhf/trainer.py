@@ -34,6 +34,13 @@ all-gather reduce-scatters its gradient), so the update is stock's for any loss:
 keeps its rows and normalisers. A window with fewer micro-batches than ``R`` runs whole on every rank.
 
 Old-policy and reference log-probs go through :func:`score_log_probs` (prefix-shared, no grad).
+
+A vision-language actor (``Actor.is_vlm``: the Qwen-VL family, LLaVA, LLaVA-NeXT, Gemma 3) trains
+and scores with its images on the tree: each sample's ``Experience.mm_train_inputs`` (its processor's
+outputs) becomes that row's :class:`~forkrl.core.executor.Image` list (:func:`row_images`), each
+unique image runs through the vision tower once per pass, and the placeholders are found by the
+model's ``image_token_id``, as ``Actor.forward`` finds them. Video, packed samples, ring attention,
+rebalancing and other model families are refused (:func:`~.options.check_vlm_args`).
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -52,15 +59,23 @@ from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
 from forkrl.core import RowLayout, TreeStep, UnsupportedModelError
 from forkrl.core.balance import OnlineCostModel, forest_stats
-from forkrl.core.executor import RouterLoss
-from forkrl.core.train import AliasReplica, gather_shares, share_micro_batches, world_size
+from forkrl.core.executor import Image, RouterLoss
+from forkrl.core.executor.vision import check_model as check_vision_model
+from forkrl.core.train import AliasReplica, all_ok, gather_shares, share_micro_batches, world_size
 
 from ..deepspeed import gathered
 from . import compat
 from .balance import balance_window
-from .options import balance_setting, check_host_args, options_from
+from .options import balance_setting, check_host_args, check_vlm_args, options_from
 
-__all__ = ["TreeActorPPOTrainer", "score_log_probs", "tree_module"]
+__all__ = ["TreeActorPPOTrainer", "row_images", "score_log_probs", "tree_module"]
+
+#: Keys of a sample's ``mm_train_inputs`` the tree takes as images: the Qwen-VL family's
+#: ``pixel_values`` ``[patches, d]`` and ``image_grid_thw`` ``[images, 3]``; LLaVA's ``pixel_values``
+#: ``[images, C, H, W]``; LLaVA-NeXT's ``[images, crops, C, H, W]`` with ``image_sizes`` ``[images, 2]``.
+_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_sizes")
+#: The way out named by a refusal of a sample's images.
+_WAY_OUT = "drop --forkrl.tree_packing (and --forkrl.long_context_replay) for this model"
 
 
 def tree_module(actor: torch.nn.Module) -> torch.nn.Module:
@@ -75,6 +90,69 @@ def _layout(sequences: torch.Tensor, action_mask: torch.Tensor, attention_mask: 
     return RowLayout.padded(sequences, attention_mask, int(action_mask.shape[1]), response_mask=action_mask)
 
 
+def _samples(mm_train_inputs: Any) -> list:
+    """OpenRLHF's multimodal field flattened to one entry (a dict or None) per sample: a micro-batch's
+    ``Experience.mm_train_inputs`` is already that; an actor's ``mm_train_inputs_list`` may nest it
+    (a list per ``Samples``), as ``merge_mm_train_inputs`` accepts."""
+    out: list = []
+    for entry in mm_train_inputs or []:
+        out.extend(_samples(entry) if isinstance(entry, (list, tuple)) else [entry])
+    return out
+
+
+def _sample_images(i: int, sample: dict) -> list[Image]:
+    """One sample's images from its processor outputs (keys as :data:`_IMAGE_KEYS` says)."""
+    video = sorted(k for k in sample if "video" in k)
+    if video:
+        raise UnsupportedModelError(
+            f"sample {i} carries video ({', '.join(video)}): forkrl's tree takes images only; {_WAY_OUT}"
+        )
+    other = sorted(k for k, v in sample.items() if k not in _IMAGE_KEYS and v is not None)
+    if other or sample.get("pixel_values") is None:
+        raise UnsupportedModelError(
+            f"sample {i}'s mm_train_inputs holds {sorted(sample)}: forkrl's tree takes images as the Qwen-VL, "
+            f"LLaVA(-NeXT) and Gemma 3 processors give them ({', '.join(_IMAGE_KEYS)}); {_WAY_OUT}"
+        )
+    pixels = torch.as_tensor(sample["pixel_values"])
+    grid, sizes = sample.get("image_grid_thw"), sample.get("image_sizes")
+    if grid is not None:  # the Qwen-VL family: the images' patches in order, prod(grid) rows each
+        grid = torch.as_tensor(grid).reshape(-1, 3)
+        counts = grid.prod(-1).tolist()
+        if sum(counts) != pixels.shape[0]:
+            raise ValueError(
+                f"sample {i}: image_grid_thw {grid.tolist()} makes {sum(counts)} patches but pixel_values has "
+                f"{pixels.shape[0]} rows; {_WAY_OUT}"
+            )
+        return [Image(p, g) for p, g in zip(torch.split(pixels, counts), grid, strict=True)]
+    if sizes is not None:
+        sizes = torch.as_tensor(sizes).reshape(-1, 2)
+        return [Image(p, image_size=s) for p, s in zip(pixels, sizes, strict=True)]
+    return [Image(p) for p in pixels]
+
+
+def row_images(mm_train_inputs: Sequence | None, rows: int) -> list[list[Image]] | None:
+    """Per row, its images from OpenRLHF's per-sample processor outputs; None when no row has any.
+
+    Args:
+        mm_train_inputs: ``Experience.mm_train_inputs`` (one dict or None per row) or an actor's
+            ``mm_train_inputs_list`` (the same, possibly nested per ``Samples``). A dict holds
+            ``pixel_values`` (Qwen-VL: ``[patches, d]``, split per image by ``image_grid_thw``
+            ``[images, 3]``, ``prod(grid)`` rows each; LLaVA: ``[images, C, H, W]``; LLaVA-NeXT:
+            ``[images, crops, C, H, W]`` with ``image_sizes`` ``[images, 2]``).
+        rows: the micro-batch's row count ``B``.
+
+    Raises:
+        UnsupportedModelError: for video or processor outputs the tree does not take.
+        ValueError: when the samples do not match the rows, or a grid its pixels.
+    """
+    samples = _samples(mm_train_inputs)
+    if not any(sample is not None and len(sample) > 0 for sample in samples):
+        return None
+    if len(samples) != rows:
+        raise ValueError(f"mm_train_inputs holds {len(samples)} samples for {rows} rows; {_WAY_OUT}")
+    return [_sample_images(i, sample) if sample else [] for i, sample in enumerate(samples)]
+
+
 @torch.no_grad()
 def score_log_probs(
     tree: TreeStep,
@@ -82,15 +160,21 @@ def score_log_probs(
     sequences: torch.Tensor,
     action_mask: torch.Tensor,
     attention_mask: torch.Tensor,
+    images: Sequence[Sequence[Image]] | None = None,
 ) -> torch.Tensor:
     """``Actor.forward``'s action log-probs, prefix-shared: ``[B, num_actions]``, zero where
-    ``action_mask`` is 0, on the CPU (as OpenRLHF's actors return them)."""
+    ``action_mask`` is 0, on the CPU (as OpenRLHF's actors return them).
+
+    Args:
+        sequences: ``[B, T]`` token ids; ``attention_mask`` ``[B, T]``; ``action_mask`` ``[B, num_actions]``.
+        images: per row, its images (a vision-language model, :func:`row_images`), or None.
+    """
     layout = _layout(sequences, action_mask, attention_mask)
     was_training = module.training
     module.eval()
     try:
         with compat.ring_attention_off():  # every rank of a ring group scores the whole batch
-            logps, _ = tree.score(module, layout)
+            logps, _ = tree.score(module, layout, images=images)
     finally:
         module.train(was_training)
     return (logps * action_mask.to(logps.device).float()).cpu()
@@ -191,16 +275,23 @@ class TreeActorPPOTrainer(ActorPPOTrainer):
                 self.tree_options, temperature=float(getattr(actor, "temperature", 1.0)), gather=gathered
             )
             self._check_setup()
-            self._balance = balance_setting(strategy.args, self.tree_options, world_size())
+            self._balance = balance_setting(strategy.args, self.tree_options, world_size(), vlm=self._is_vlm)
 
     def _check_setup(self) -> None:
         flag = "--forkrl.tree_packing" if self.tree_options.tree_packing else "--forkrl.long_context_replay"
-        if getattr(self.actor, "is_vlm", False):
-            raise ValueError(f"{flag} supports text-only causal LMs; this actor is a vision-language model")
+        module = tree_module(self.actor)
         try:
-            self.tree_step.check_model(tree_module(self.actor))
+            if self._is_vlm:
+                check_vlm_args(self.strategy.args, self.tree_options)
+                check_vision_model(getattr(module, "get_base_model", lambda: module)())
+            self.tree_step.check_model(module)
         except UnsupportedModelError as err:
             raise err.for_host(f"train without {flag}") from err
+
+    @property
+    def _is_vlm(self) -> bool:
+        """Whether OpenRLHF loaded the actor as a vision-language model (``Actor.is_vlm``)."""
+        return bool(getattr(self.actor, "is_vlm", False))
 
     # ------------------------------------------------------------------ OpenRLHF hooks
     def ppo_train(self, kl_ctl: float):
@@ -270,6 +361,7 @@ class TreeActorPPOTrainer(ActorPPOTrainer):
             tokens = [int(e.attention_mask.sum()) for e, _ in window]
             mine = share_micro_batches(tokens, dist.get_world_size(ring), dist.get_rank(ring))
         owned = list(range(len(window))) if mine is None else mine
+        images = self._window_images(window, owned, device)
         scale = 1 if mine is None else dist.get_world_size(ring)
         layouts = [
             _layout(window[i][0].sequences, window[i][0].action_mask, window[i][0].attention_mask)
@@ -313,6 +405,7 @@ class TreeActorPPOTrainer(ActorPPOTrainer):
                     lockstep=world_size() > 1,
                     device=device,
                     router=router,
+                    images=images,
                 )
             # forkrl's own collectives (metrics, cost samples) come before DeepSpeed's backward below:
             # under ZeRO-3 its reduction may still be in flight when it returns, until the step, and a
@@ -331,6 +424,32 @@ class TreeActorPPOTrainer(ActorPPOTrainer):
         self._statuses = statuses
         metrics["tree/step_time"] = time.perf_counter() - start
         self._tree_metrics = metrics
+
+    def _window_images(
+        self, window: list, owned: list[int], device: torch.device
+    ) -> list[list[Image]] | None:
+        """Per row of the micro-batches ``owned`` (in order), its images; None for a text-only actor
+        or window. A refusal on any rank stops every rank here, before the step's collectives and
+        before any gradient."""
+        if not self._is_vlm:
+            return None
+        images: list[list[Image]] = []
+        error = None
+        try:
+            for i in owned:
+                experience = window[i][0]
+                rows = int(experience.sequences.shape[0])
+                images.extend(
+                    row_images(getattr(experience, "mm_train_inputs", None), rows)
+                    or [[] for _ in range(rows)]
+                )
+        except ValueError as err:  # UnsupportedModelError included
+            error = err
+        if not all_ok(error is None, device):
+            raise error or RuntimeError(
+                "another data-parallel rank refused this step's images (see its error); nothing was changed"
+            )
+        return images if any(images) else None
 
     def _hand_over(self, i: int) -> None:
         """Micro-batch ``i``'s backward through DeepSpeed: the window's gradient at the first, zero

@@ -81,14 +81,24 @@ def command(model_path: str, *extra: str, micro_batch: int = 2, batch: int = 8) 
     ]  # fmt: skip
 
 
-def trainer(args, tree: bool, lr: float = 0.05, model: torch.nn.Module | None = None, bf16: bool = False):
+def trainer(
+    args,
+    tree: bool,
+    lr: float = 0.05,
+    model: torch.nn.Module | None = None,
+    bf16: bool = False,
+    vlm: bool = False,
+):
     """Stock ``ActorPPOTrainer`` (``tree=False``) or forkrl's, built as ``PolicyModelActor`` builds
     it, around a DeepSpeed engine of ``model`` (default: the byte Llama, seed 0); float32 unless
-    ``bf16`` (DeepSpeed's bf16 mode, OpenRLHF's default ``--ds.param_dtype``)."""
+    ``bf16`` (DeepSpeed's bf16 mode, OpenRLHF's default ``--ds.param_dtype``). ``vlm``: ``model`` is
+    a vision-language model, marked as ``Actor`` marks one it loads by name (``is_vlm``, ``_vlm_config``)."""
     strategy = get_strategy(args)
     with cpu():
         strategy.setup_distributed()
     actor = Actor(model if model is not None else byte_llama(0), temperature=args.rollout.temperature)
+    if vlm:  # Actor.__init__ sets these only when it loads the model from a name
+        actor.is_vlm, actor._vlm_config = True, actor.model.config
     # Actor sets packing_samples only when it loads the model itself. OpenRLHF's packed layout
     # (--ds.packing_samples, forced on by --train.dynamic_batch_enable) needs flash-attention
     # varlen, which forces attn_implementation=flash_attention_2 and whose kernels a CPU lacks: sdpa
