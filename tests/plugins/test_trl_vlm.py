@@ -26,11 +26,11 @@ def _reward(completions, completion_ids, **kwargs) -> list[float]:
     return [sum(t % 7 for t in ids) / (7 * max(1, len(ids))) for ids in completion_ids]
 
 
-def _processor():
-    """Qwen2-VL's processor over the byte tokenizer (its image processor's PIL backend; no video
-    processor: it needs torchvision, which this environment leaves out, so its type check is
-    skipped for the missing one)."""
-    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
+def _processor(qwen3_5: bool = False):
+    """Qwen2-VL's (Qwen3.5's: Qwen3-VL's, patch 16) processor over the byte tokenizer (its image
+    processor's PIL backend; no video processor: it needs torchvision, which this environment leaves
+    out, so its type check is skipped for the missing one)."""
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen3VLProcessor
     from transformers.processing_utils import ProcessorMixin
 
     from forkrl.core.testing.models import byte_tokenizer
@@ -42,10 +42,10 @@ def _processor():
         None if arg is None else check(self, name, arg)
     )
     try:
-        image = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=56 * 56)
-        return Qwen2VLProcessor(
-            image_processor=image, tokenizer=tok, video_processor=None, chat_template=TEMPLATE
-        )
+        side, patch = (64, 16) if qwen3_5 else (56, 14)
+        image = Qwen2VLImageProcessor(patch_size=patch, min_pixels=side * side, max_pixels=side * side)
+        cls = Qwen3VLProcessor if qwen3_5 else Qwen2VLProcessor
+        return cls(image_processor=image, tokenizer=tok, video_processor=None, chat_template=TEMPLATE)
     finally:
         ProcessorMixin.check_argument_for_proper_class = check
 
@@ -65,6 +65,27 @@ def _llava_processor():
         image_processor=image, tokenizer=tok, patch_size=2, vision_feature_select_strategy="default",
         chat_template=template, image_token="<image>", num_additional_image_tokens=1,
     )  # fmt: skip
+
+
+def _qwen3_5_moe(tok):
+    """A tiny Qwen3.5-MoE VLM: a linear-attention and a full-attention layer, 4 experts (top 2)."""
+    import transformers
+
+    ids = tok.convert_tokens_to_ids(SPECIAL)
+    config = transformers.Qwen3_5MoeConfig(
+        text_config=dict(
+            vocab_size=len(tok) + 2, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, layer_types=["linear_attention", "full_attention"],
+            linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
+        ),
+        vision_config=dict(depth=2, hidden_size=32, num_heads=4, intermediate_size=64, out_hidden_size=32,
+                           num_position_embeddings=16, patch_size=16, spatial_merge_size=2, temporal_patch_size=2),
+        vision_start_token_id=ids[0], image_token_id=ids[1], vision_end_token_id=ids[2], video_token_id=ids[3],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Qwen3_5MoeForConditionalGeneration(config)
 
 
 def _gemma3_processor():
@@ -166,10 +187,16 @@ def _train(tmp_path, forkrl: bool, kind: str = "grpo", **kw):
     from forkrl.plugins import trl as ftrl
 
     family = kind.split("-")[1] if "-" in kind else "qwen2_vl"
-    processor = {"llava": _llava_processor, "gemma3": _gemma3_processor}.get(family, _processor)()
+    processors = {
+        "llava": _llava_processor,
+        "gemma3": _gemma3_processor,
+        "qwen3_5moe": lambda: _processor(True),
+    }
+    processor = processors.get(family, _processor)()
     model = tmp_path / family  # a path, as users pass it (TRL loads the reference from it)
     if not model.exists():
-        {"llava": _llava, "gemma3": _gemma3}.get(family, _model)(processor.tokenizer).save_pretrained(model)
+        builders = {"llava": _llava, "gemma3": _gemma3, "qwen3_5moe": _qwen3_5_moe}
+        builders.get(family, _model)(processor.tokenizer).save_pretrained(model)
     args = base_args(tmp_path / ("tree" if forkrl else "stock"), max_steps=2, max_completion_length=8, **kw)
     config, trainer_cls = ("RLOOConfig", "RLOOTrainer") if kind == "rloo" else ("GRPOConfig", "GRPOTrainer")
     if forkrl:
@@ -180,7 +207,7 @@ def _train(tmp_path, forkrl: bool, kind: str = "grpo", **kw):
         model=str(model),
         reward_funcs=_reward,
         args=args,
-        train_dataset=_dataset(size=56 if family == "qwen2_vl" else 8),
+        train_dataset=_dataset(size={"qwen2_vl": 56, "qwen3_5moe": 64}.get(family, 8)),
         processing_class=processor,
     )
     init = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -196,14 +223,17 @@ def _train(tmp_path, forkrl: bool, kind: str = "grpo", **kw):
         ("rloo", {}),
         ("grpo-llava", {}),
         ("grpo-gemma3", {"beta": 0.04}),
+        ("grpo-qwen3_5moe", {"router_aux_loss_coef": 0.5}),
     ],
-    ids=["grpo", "grpo-kl-two-iterations", "rloo", "grpo-llava", "grpo-gemma3-kl"],
+    ids=["grpo", "grpo-kl-two-iterations", "rloo", "grpo-llava", "grpo-gemma3-kl", "grpo-qwen3_5moe-router"],
 )
 def test_a_vision_language_model_equals_stock(tmp_path, kind, extra):
     init, stock, _ = _train(tmp_path, forkrl=False, kind=kind, **extra)
     _, tree, trainer = _train(tmp_path, forkrl=True, kind=kind, **extra)
     rel = relative_difference(tree, stock, init)  # of the update
     print(f"{kind} {extra}: {rel:.2e} of the update")
+    if "router_aux_loss_coef" in extra:  # the MoE VLM's router loss is in the update, on both sides
+        assert trainer.aux_loss_enabled and any("aux_loss" in h for h in trainer.state.log_history)
     assert rel < 1e-4, rel
     visual = [n for n in tree if "visual" in n or "vision_tower" in n]
     assert visual and any(not torch.equal(tree[n], init[n]) for n in visual)  # the tower trained
