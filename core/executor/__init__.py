@@ -17,7 +17,7 @@ from .head import CoefficientFn
 from .model import ModelAdapter, UnsupportedModelError
 from .router import RouterLoss
 from .tree_executor import MODES, PROMPT_GRADS, ExecMode, PromptGrad, ScoreResult, TreeExecutor
-from .vision import Image, VisionBatch
+from .vision import Image, VisionBatch, images_from
 
 __all__ = [
     "MODES",
@@ -35,5 +35,6 @@ __all__ = [
     "Unit",
     "UnsupportedModelError",
     "VisionBatch",
+    "images_from",
     "plan",
 ]

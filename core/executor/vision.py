@@ -50,7 +50,7 @@ from torch import nn
 
 from ..errors import UnsupportedModelError
 
-__all__ = ["Image", "VisionBatch"]
+__all__ = ["Image", "VisionBatch", "images_from"]
 
 #: Supported models and how their images enter: "mrope" (patches and a grid per image, multimodal
 #: RoPE from get_rope_index), "plain" (LLaVA: one ``[C, H, W]`` image, positions by depth), "anyres"
@@ -97,6 +97,37 @@ class Image:
         digest.update(str((tuple(pixels.shape), str(pixels.dtype), grid, size)).encode())
         self.__dict__["_key"] = digest.hexdigest()
         return self.__dict__["_key"]
+
+
+def images_from(
+    pixel_values: torch.Tensor,
+    image_grid_thw: torch.Tensor | None = None,
+    image_sizes: torch.Tensor | None = None,
+) -> list[Image]:
+    """Images, in order, from a processor's outputs (for one row, or for a batch's rows in order).
+
+    Args:
+        pixel_values: the Qwen-VL family's ``[patches, d]`` (all images' patches, one after another),
+            LLaVA's and Gemma 3's ``[images, C, H, W]``, or LLaVA-NeXT's ``[images, crops, C, H, W]``.
+        image_grid_thw: ``[images, 3]`` (the Qwen-VL family): image ``j`` has ``prod(grid_j)`` patches.
+        image_sizes: ``[images, 2]`` (LLaVA-NeXT): each image's original height and width.
+
+    Raises:
+        ValueError: when the grids do not add up to the patches.
+    """
+    pixels = torch.as_tensor(pixel_values)
+    if image_grid_thw is not None:
+        grid = torch.as_tensor(image_grid_thw).reshape(-1, 3)
+        counts = grid.prod(-1).tolist()
+        if sum(counts) != pixels.shape[0]:
+            raise ValueError(
+                f"image_grid_thw {grid.tolist()} makes {sum(counts)} patches but pixel_values has {pixels.shape[0]}"
+            )
+        return [Image(p, g) for p, g in zip(torch.split(pixels, counts), grid, strict=True)]
+    if image_sizes is not None:
+        sizes = torch.as_tensor(image_sizes).reshape(-1, 2)
+        return [Image(p, image_size=s) for p, s in zip(pixels, sizes, strict=True)]
+    return [Image(p) for p in pixels]
 
 
 class VisionBatch:

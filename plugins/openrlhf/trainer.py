@@ -59,7 +59,7 @@ from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
 from forkrl.core import RowLayout, TreeStep, UnsupportedModelError
 from forkrl.core.balance import OnlineCostModel, forest_stats
-from forkrl.core.executor import Image, RouterLoss
+from forkrl.core.executor import Image, RouterLoss, images_from
 from forkrl.core.executor.vision import check_model as check_vision_model
 from forkrl.core.train import AliasReplica, all_ok, gather_shares, share_micro_batches, world_size
 
@@ -113,21 +113,10 @@ def _sample_images(i: int, sample: dict) -> list[Image]:
             f"sample {i}'s mm_train_inputs holds {sorted(sample)}: forkrl's tree takes images as the Qwen-VL, "
             f"LLaVA(-NeXT) and Gemma 3 processors give them ({', '.join(_IMAGE_KEYS)}); {_WAY_OUT}"
         )
-    pixels = torch.as_tensor(sample["pixel_values"])
-    grid, sizes = sample.get("image_grid_thw"), sample.get("image_sizes")
-    if grid is not None:  # the Qwen-VL family: the images' patches in order, prod(grid) rows each
-        grid = torch.as_tensor(grid).reshape(-1, 3)
-        counts = grid.prod(-1).tolist()
-        if sum(counts) != pixels.shape[0]:
-            raise ValueError(
-                f"sample {i}: image_grid_thw {grid.tolist()} makes {sum(counts)} patches but pixel_values has "
-                f"{pixels.shape[0]} rows; {_WAY_OUT}"
-            )
-        return [Image(p, g) for p, g in zip(torch.split(pixels, counts), grid, strict=True)]
-    if sizes is not None:
-        sizes = torch.as_tensor(sizes).reshape(-1, 2)
-        return [Image(p, image_size=s) for p, s in zip(pixels, sizes, strict=True)]
-    return [Image(p) for p in pixels]
+    try:
+        return images_from(sample["pixel_values"], sample.get("image_grid_thw"), sample.get("image_sizes"))
+    except ValueError as err:
+        raise ValueError(f"sample {i}: {err}; {_WAY_OUT}") from None
 
 
 def row_images(mm_train_inputs: Sequence | None, rows: int) -> list[list[Image]] | None:

@@ -38,7 +38,7 @@ from trl import RLOOTrainer as _TRLRLOOTrainer
 
 from forkrl.core import RowLayout, TreeStep, UnsupportedModelError
 from forkrl.core.balance import OnlineCostModel, forest_stats
-from forkrl.core.executor import Image, RouterLoss
+from forkrl.core.executor import Image, RouterLoss, images_from
 from forkrl.core.executor.vision import check_model as check_vision_model
 from forkrl.core.speculative import SelfSpeculativeRollout
 from forkrl.core.speculative.vllm_engine import spec_decode_metrics
@@ -98,14 +98,10 @@ def _row_images(inputs: dict, rows: int) -> list[list[Image]] | None:
             "tree_packing needs each row's image count (num_images) and each image's pixels (with image_grid_thw "
             f"for the Qwen-VL family) for {rows} rows: turn tree_packing off for this model"
         )
-    if grid is not None:
-        per_image = [
-            Image(p, g) for p, g in zip(torch.split(pixels, grid.prod(-1).tolist()), grid, strict=True)
-        ]
-    elif sizes is not None:
-        per_image = [Image(p, image_size=s) for p, s in zip(pixels, sizes, strict=True)]
-    else:
-        per_image = [Image(p) for p in pixels]
+    try:
+        per_image = images_from(pixels, grid, sizes)
+    except ValueError as err:
+        raise ValueError(f"{err}: turn tree_packing off for this model") from None
     out, k = [], 0
     for n in counts:
         out.append(per_image[k : k + int(n)])
