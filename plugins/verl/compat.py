@@ -26,10 +26,12 @@ __all__ = [
     "fixed_micro_batch_count",
     "global_batch_info",
     "micro_batches",
+    "multi_modal_rows",
     "micro_batches_of_any_size",
     "non_tensor",
     "postprocess",
     "prompt_lengths",
+    "transformers_forwards",
     "ulysses_off",
 ]
 
@@ -146,6 +148,23 @@ def _ulysses() -> None:
     assert "if ulysses_sp_size > 1 and position_ids is not None" in src
 
 
+def _vlm_patches() -> None:
+    from verl.models.transformers import monkey_patch
+    from verl.utils import model
+
+    src = inspect.getsource(monkey_patch.apply_monkey_patch)
+    # Class-level forwards veRL replaces for the Qwen-VL family (restored inside tree passes).
+    for needle in (
+        "Qwen2VLModel.forward = qwen2_vl_base_forward",
+        "Qwen2VLForConditionalGeneration.forward = forward_with_normal_backend",
+        "Qwen2VLAttention.forward = qwen2_vl_attn_forward",
+        "Qwen3VLModel.forward = qwen3_vl_base_forward",
+    ):
+        assert needle in src, needle
+    # What the stock engine hands the model: the rows' multi_modal_inputs concatenated per key.
+    assert "torch.cat(values, dim=0)" in inspect.getsource(model.extract_multi_modal_inputs)
+
+
 PRIVATES: tuple[Private, ...] = (
     Private(
         "FSDPEngine.forward_backward_batch / FSDPEngineWithLMHead.forward_step",
@@ -179,6 +198,12 @@ PRIVATES: tuple[Private, ...] = (
         "the tree runs whole sequences on every rank of a Ulysses group: the group is unset inside its passes, "
         "so the patched attention entry does no all-to-all",
         _ulysses,
+    ),
+    Private(
+        "models.transformers.monkey_patch.apply_monkey_patch (Qwen-VL family); utils.model.extract_multi_modal_inputs",
+        "veRL replaces the vision-language classes' forwards (its packed flash-attention, no cache): tree passes "
+        "run transformers' own (transformers_forwards); each row's multi_modal_inputs are its images in order",
+        _vlm_patches,
     ),
     Private("EngineRegistry.register", "forkrl's engine is registered under backend fsdp2_tree", _registry),
     Private("verl.utils.tensordict_utils", "non-tensor batch fields (flags, normalisers)", _tensordict_utils),
@@ -220,6 +245,78 @@ def _plain(value):
     if isinstance(value, NonTensorData):
         return value.data
     return value
+
+
+def multi_modal_rows(data) -> list[dict] | None:
+    """Per row, its ``multi_modal_inputs`` as a plain dict (``{}`` for a text row), or None when the
+    batch has no such field: veRL's agent loop writes the processor's output per row
+    (``pixel_values`` ``[patches, d]``, ``image_grid_thw`` ``[images, 3]``, ``images_seqlens``, ...)."""
+    if "multi_modal_inputs" not in data.keys():
+        return None
+    rows = _plain(data["multi_modal_inputs"])
+    if not isinstance(rows, (list, tuple)):
+        raise ValueError(f"multi_modal_inputs: expected one dict per row, got {type(rows).__name__}")
+    return [dict(_plain(r) or {}) for r in rows]
+
+
+# ---------------------------------------------------------------------------- transformers' own forwards
+#: Every veRL version checked (``CHECKED``) patches the classes below from this package.
+_VERL_PATCH_PREFIX = "verl."
+_PRISTINE: dict[str, object] = {}
+
+
+def _pristine_module(name: str):
+    """A fresh copy of transformers module ``name`` (not registered in ``sys.modules``): its
+    functions are transformers' own even after veRL replaced them on the imported classes."""
+    import importlib.util
+    import sys
+
+    if name not in _PRISTINE:
+        spec = importlib.util.find_spec(name)
+        copy_name = f"{name}_forkrl_pristine"
+        copy_spec = importlib.util.spec_from_file_location(copy_name, spec.origin)
+        module = importlib.util.module_from_spec(copy_spec)
+        module.__package__ = name.rpartition(".")[0]  # its relative imports resolve to the real package
+        sys.modules[copy_name] = module  # dataclasses look their module up while the class is built
+        try:
+            copy_spec.loader.exec_module(module)
+        finally:
+            del sys.modules[copy_name]
+        _PRISTINE[name] = module
+    return _PRISTINE[name]
+
+
+@contextlib.contextmanager
+def transformers_forwards(model: torch.nn.Module) -> Iterator[None]:
+    """transformers' own ``forward`` on ``model``'s classes while the tree passes run.
+
+    veRL's ``apply_monkey_patch`` replaces, class-wide, the Qwen-VL family's model and attention
+    forwards with versions for its packed flash-attention layout (``qwen2_vl_attn_forward`` calls
+    flash-attention directly and takes no key/value cache; ``forward_with_normal_backend`` needs
+    its ``[4, 1, T]`` positions). A tree runs the decoder over its ancestors' cache and checks the
+    model's plain forward at first use, so inside its passes each class whose ``forward`` comes
+    from veRL gets transformers' back (from a fresh copy of its defining module), and veRL's again
+    on exit (the stock engine in the same process keeps its own). Nothing changes for a class
+    veRL did not patch (text models: veRL patches the flash-attention entry only).
+    """
+    swapped: list[tuple[type, object]] = []
+    seen: set[type] = set()
+    try:
+        for module in model.modules():
+            for cls in type(module).__mro__:
+                if "forward" not in cls.__dict__:
+                    continue
+                fn = cls.__dict__["forward"]
+                if cls not in seen and getattr(fn, "__module__", "").startswith(_VERL_PATCH_PREFIX):
+                    own = getattr(_pristine_module(cls.__module__), cls.__name__).__dict__["forward"]
+                    swapped.append((cls, fn))
+                    cls.forward = own
+                seen.add(cls)
+                break
+        yield
+    finally:
+        for cls, fn in reversed(swapped):
+            cls.forward = fn
 
 
 def global_batch_info(engine, data) -> None:

@@ -12,6 +12,19 @@ per micro-batch on the tree's log-probs, placed as veRL places its own (nested o
 rolled by one); one tree backward; the gradients are reduce-scattered into FSDP2's shards once.
 Old and reference log-probs (``forward_only``) are scored as one forest too.
 
+Vision-language models (the families of :mod:`forkrl.core.executor.vision`): each row's
+``multi_modal_inputs`` (veRL's agent loop: the processor's ``pixel_values`` and ``image_grid_thw``
+per row, ``{}`` for a text row) become the row's images, each unique image through the vision tower
+once per pass; veRL's class-wide forwards for these models are swapped for transformers' own
+inside the tree passes (:func:`forkrl.plugins.verl.compat.transformers_forwards`). veRL's ``[4, T]``
+position ids (text positions, then the three M-RoPE rows) are not read: the core computes the
+M-RoPE rows with the model's own ``get_rope_index`` from the same ids and grids (veRL binds that same
+function to its processor; ``tests/verl/test_verl_vlm.py`` checks they agree), and finds
+placeholders by ``image_token_id``, as veRL's patched forward and its position ids do (veRL carries
+no token types to the actor). Refused: video, other multi-modal fields, and with a vision-language
+model Ulysses sequence parallelism, ``tree_mode: packed`` and ``tree_balance: on`` (``auto`` leaves
+its rows where veRL put them). Checked against stock veRL: Qwen2-VL and Qwen2.5-VL.
+
 With several data-parallel ranks (``forkrl.tree_balance: auto``, the default), each mini-batch's
 rows are first moved between the ranks by predicted tree cost (:mod:`forkrl.plugins.verl.balance`),
 priced by a cost model fitted to every rank's measured steps.
@@ -27,8 +40,9 @@ from verl.utils.device import get_device_id, get_device_name
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-from forkrl.core import RowLayout, TreeOptions, TreeStep
+from forkrl.core import RowLayout, TreeOptions, TreeStep, UnsupportedModelError
 from forkrl.core.balance import OnlineCostModel, forest_stats
+from forkrl.core.executor.vision import Image, images_from
 from forkrl.core.train import share_micro_batches
 
 from . import compat
@@ -41,6 +55,16 @@ logger = logging.getLogger(__name__)
 
 #: The engine backend (``actor.strategy`` stays ``fsdp2``; forkrl's config names this backend).
 BACKEND = "fsdp2_tree"
+
+#: How a refusal names the way out (replacing the core's host-neutral phrase).
+WAY_OUT = "set forkrl.tree_packing=false for this model (veRL's own engine)"
+
+#: Per-row ``multi_modal_inputs`` keys taken as images; ``images_seqlens`` is veRL's own
+#: per-image token count (derived from the grid), read by none of the supported models' forwards.
+_IMAGE_KEYS = frozenset({"pixel_values", "image_grid_thw", "image_sizes", "images_seqlens"})
+_VIDEO_KEYS = frozenset(
+    {"pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "video_second_per_grid"}
+)
 
 
 class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
@@ -85,6 +109,7 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         mine = self._share(micro_batches)  # under Ulysses: this rank's share of them (module ulysses)
         own = micro_batches if mine is None else [micro_batches[i] for i in mine]
         layouts = [_layout(mb) for mb in own]
+        images = _window_images(own)  # per row of the window, its images (None: no row has any)
         step = self._step(micro_batches)
         entropy = bool(compat.non_tensor(data, "calculate_entropy", False))
         dtype = getattr(self, "_autocast_dtype", torch.float32)
@@ -93,11 +118,16 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             if dtype == torch.float32
             else torch.autocast(device_type=get_device_name(), dtype=dtype)
         )
-        with autocast, compat.ulysses_off(self):
-            if forward_only:
-                outputs = self._score(step, own, layouts, loss_function, entropy)
-            else:
-                outputs = self._train(step, own, layouts, loss_function, entropy, data, balanced, mine)
+        with autocast, compat.ulysses_off(self), compat.transformers_forwards(self.module):
+            try:
+                if forward_only:
+                    outputs = self._score(step, own, layouts, loss_function, entropy, images)
+                else:
+                    outputs = self._train(
+                        step, own, layouts, loss_function, entropy, data, balanced, mine, images
+                    )
+            except UnsupportedModelError as err:
+                raise err.for_host(WAY_OUT) from err
         if mine is not None:  # the Ulysses group's micro-batches, on every rank of it
             outputs = gather_outputs(
                 outputs,
@@ -111,8 +141,8 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         return compat.postprocess(outputs, indices, data)
 
     # ------------------------------------------------------------------ the two passes
-    def _score(self, step, micro_batches, layouts, loss_function, entropy: bool) -> list[dict]:
-        scored = step.score_window(self.module, layouts, entropy=entropy)
+    def _score(self, step, micro_batches, layouts, loss_function, entropy: bool, images) -> list[dict]:
+        scored = step.score_window(self.module, layouts, entropy=entropy, images=images)
         outputs = []
         for mb, (lp, ent) in zip(micro_batches, scored, strict=True):
             model_output = _model_output(mb, lp, ent)
@@ -125,7 +155,7 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         return outputs
 
     def _train(
-        self, step, micro_batches, layouts, loss_function, entropy: bool, data, balanced, mine
+        self, step, micro_batches, layouts, loss_function, entropy: bool, data, balanced, mine, images
     ) -> list[dict]:
         last: dict[int, tuple[torch.Tensor, dict]] = {}
         # A Ulysses group's share (``mine``): each backpropagates sp times its loss (module ulysses).
@@ -139,7 +169,9 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             last[i] = (loss, metrics)  # the bridge evaluates the real values last
             return loss * scale if scale != 1 else loss
 
-        result = step.train(self.module, layouts, loss_fn, loss_gradient="general", entropy=entropy)
+        result = step.train(
+            self.module, layouts, loss_fn, loss_gradient="general", entropy=entropy, images=images
+        )
         keep_output = bool(compat.non_tensor(data, "return_model_output", False))
         per_row = iter(result.objective.logprobs)
         outputs = []
@@ -184,6 +216,13 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             return False
         if self.ulysses_sequence_parallel_size > 1:
             return False  # a Ulysses group shares its micro-batches instead (module ulysses)
+        if _is_vlm(self.module):  # decided by the model, the same on every rank: rows keep their pixels
+            if self._tree_options.tree_balance == "on":
+                raise ValueError(
+                    "tree_balance: on moves rows between ranks, which a vision-language model's rows (with their "
+                    "images in multi_modal_inputs) are not: set forkrl.tree_balance=auto (rows stay in place) or off"
+                )
+            return False
         if getattr(self.engine_config, "forkrl_balance_unsafe", None) is not None:
             return False  # the loss depends on the rows' grouping (refused at config time under "on")
         return not compat.non_tensor(data, "return_model_output", False)  # per-row outputs stay on their rank
@@ -221,13 +260,89 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if self.is_param_offload_enabled:
             problems.append("parameter offload")
         # By content: veRL's v1 agent loop writes multi_modal_inputs ({} per text row) for every run.
-        if any(compat.carries(data, k) for k in ("multi_modal_inputs", "routed_experts", "teacher_logprobs")):
-            problems.append("multi-modal inputs, routed experts or teacher log-probs")
+        if any(compat.carries(data, k) for k in ("routed_experts", "teacher_logprobs")):
+            problems.append("routed experts or teacher log-probs")
+        if _is_vlm(self.module):
+            self._refuse_vlm_setup()
+        if compat.carries(data, "multi_modal_inputs"):
+            self._refuse_images(data, problems)
         if problems:
             raise ValueError(
                 f"forkrl's tree engine cannot run exactly with {', '.join(problems)}: turn it off, or set "
                 "forkrl.tree_packing=false to use veRL's own engine"
             )
+
+    def _refuse_vlm_setup(self) -> None:
+        """A vision-language model's setups the tree does not take, decided by the model and the
+        config (the same on every rank, whatever a rank's rows hold)."""
+        if self._tree_options.tree_mode == "packed" and not self._tree_options.long_context_replay:
+            raise UnsupportedModelError(
+                "images on a tree run in keep or replay mode (the packed tree mask takes token ids): set "
+                f"forkrl.tree_mode=auto, keep or replay, or {WAY_OUT}"
+            )
+        if self.ulysses_sequence_parallel_size > 1:
+            raise UnsupportedModelError(
+                "forkrl's tree engine does not run vision-language models under Ulysses sequence parallelism "
+                f"(ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size}; veRL slices their inputs "
+                f"after the embedding): set it to 1, or {WAY_OUT}"
+            )
+
+    def _refuse_images(self, data, problems: list[str]) -> None:
+        """Images the tree cannot take, raised before any pass (no parameter or gradient changed).
+        A vision-language family the core does not serve is refused by the core as it prepares the
+        images, before the first forward (:func:`forkrl.core.executor.vision.check_model`)."""
+        if not _is_vlm(self.module):  # images for a text model
+            name = type(_unwrapped(self.module)).__name__.removeprefix("FSDP")
+            problems.append(f"multi-modal inputs for {name}, which is not a vision-language model")
+            return
+        for i, row in enumerate(compat.multi_modal_rows(data) or []):
+            _row_images(row, i)  # raises for video and for fields it does not know
+
+
+def _unwrapped(module):
+    return module.get_base_model() if hasattr(module, "get_base_model") else module
+
+
+def _is_vlm(module) -> bool:
+    return getattr(_unwrapped(module).config, "vision_config", None) is not None
+
+
+def _row_images(row: dict, index: int) -> list[Image]:
+    """One row's images from its ``multi_modal_inputs``: the Qwen-VL family's ``pixel_values``
+    ``[patches, d]`` split by ``image_grid_thw`` ``[images, 3]`` (``prod(grid)`` patches each);
+    LLaVA's ``[images, C, H, W]`` (LLaVA-NeXT's ``[images, crops, C, H, W]`` with ``image_sizes``
+    ``[images, 2]``). ``{}`` (a text row): no images."""
+    present = {k for k, v in row.items() if v is not None}
+    video = sorted(present & _VIDEO_KEYS)
+    if video:
+        raise UnsupportedModelError(
+            f"row {index} carries video ({', '.join(video)}): forkrl's tree takes images only; {WAY_OUT}"
+        )
+    unknown = sorted(present - _IMAGE_KEYS)
+    if unknown:
+        raise ValueError(
+            f"row {index}'s multi_modal_inputs hold {unknown}, which forkrl's tree engine does not know how to "
+            f"place (it takes {sorted(_IMAGE_KEYS)}): {WAY_OUT}"
+        )
+    if row.get("pixel_values") is None:
+        return []
+    try:
+        return images_from(row["pixel_values"], row.get("image_grid_thw"), row.get("image_sizes"))
+    except ValueError as err:
+        raise ValueError(
+            f"row {index}: {err}: pass each row's processor output unchanged, or {WAY_OUT}"
+        ) from None
+
+
+def _window_images(micro_batches) -> list[list[Image]] | None:
+    """Per row of the micro-batches (in order), its images; None when no row has any."""
+    out = []
+    for mb in micro_batches:
+        rows = compat.multi_modal_rows(mb)
+        out.extend(
+            [[] for _ in range(len(mb))] if rows is None else [_row_images(r, i) for i, r in enumerate(rows)]
+        )
+    return out if any(out) else None
 
 
 def _layout(micro_batch) -> RowLayout:

@@ -121,8 +121,12 @@ def agent_loop_fields(td: TensorDict, rollouts) -> TensorDict:
     return td
 
 
-def batch(rollouts, seed: int = 0, kl: bool = False, is_weights: bool = False) -> TensorDict:
-    """The rollouts as veRL's trainer hands them to the actor (no-padding layout, response tensors)."""
+def batch(
+    rollouts, seed: int = 0, kl: bool = False, is_weights: bool = False, positions: list | None = None
+) -> TensorDict:
+    """The rollouts as veRL's trainer hands them to the actor (no-padding layout, response tensors).
+    ``positions``: per row, its ``[4, len(p) + len(r)]`` position ids as veRL's agent loop computes
+    them for an M-RoPE model (text positions, then the three M-RoPE rows); default: text positions."""
     g = torch.Generator().manual_seed(1000 + seed)
     B = len(rollouts)
     P = max(len(p) for p, _ in rollouts)
@@ -133,10 +137,15 @@ def batch(rollouts, seed: int = 0, kl: bool = False, is_weights: bool = False) -
         ids[b, P - len(p) : P], mask[b, P - len(p) : P] = torch.tensor(p), 1
         ids[b, P : P + len(r)], mask[b, P : P + len(r)] = torch.tensor(r), 1
     response_mask = mask[:, P:].clone()
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    if positions is not None:  # [B, 4, P + R], each row's own placed at its real tokens
+        position_ids = torch.zeros(B, 4, P + R, dtype=torch.long)
+        for b, ((p, r), pos) in enumerate(zip(rollouts, positions, strict=True)):
+            position_ids[b, :, P - len(p) : P + len(r)] = pos
     fields = {
         "input_ids": ids,
         "attention_mask": mask,
-        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+        "position_ids": position_ids,
         "prompts": ids[:, :P],
         "responses": ids[:, P:],
         "response_mask": response_mask,
