@@ -333,3 +333,32 @@ def test_a_family_the_core_does_not_serve_is_refused(setup, monkeypatch):
     after = h.parameters(tree)
     assert all(torch.equal(after[n], before[n]) for n in before)
     assert all(p.grad is None or not p.grad.any() for p in tree.engine.module.parameters())
+
+
+@pytest.mark.parametrize("precision", ["mixed", "bf16"])
+def test_vlm_follows_verls_precision(setup, precision):
+    """veRL's mixed precision (float32 parameters, bf16 autocast) and bf16 parameters with images:
+    the criterion of ``test_verl_precision.py`` on the update after two ``update_actor`` calls (mixed:
+    a bf16 update as accurate as stock's; bf16 parameters: within half of bf16's own gap of stock)."""
+    from forkrl.core.testing import Bf16Rounding
+
+    path, processor, _ = setup
+
+    def run(forkrl, precision):
+        w = h.worker(path, h.actor_config(forkrl, precision=precision))
+        init = {n: p.float() for n, p in h.parameters(w).items()}
+        for step in range(2):
+            h.update(w, _batch(processor, seed=step), 8, True)
+        after = h.parameters(w)
+        return torch.cat([(after[n].double() - init[n].double()).flatten() for n in sorted(after)])
+
+    exact, stock, tree = run(None, "fp32"), run(None, precision), run({"tree_packing": True}, precision)
+    assert float((stock - exact).norm()) > 1e-4 * float(exact.norm()), "bf16 did not round anything"
+    rounding = Bf16Rounding(f"{precision} images", tree, stock, exact)
+    print(
+        f"{precision}: |tree - fp32| {rounding.off:.3f}, |tree - stock| {rounding.near:.3f} of the bf16 gap"
+    )
+    if precision == "bf16":
+        rounding.check_within_half()
+    else:
+        rounding.check_follows(near=1.5)
