@@ -20,55 +20,23 @@ import torch
 
 from forkrl.core import UnsupportedModelError
 from forkrl.core.testing.models import max_rel_err
+from forkrl.core.testing.vision import qwen_vl_model, qwen_vl_processor
 
 from . import harness as h
 
-SPECIAL = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
 PROMPT = "user: <|vision_start|><|image_pad|><|vision_end|>Spell color {}. assistant: "
 
 
 @functools.cache
 def _processor():
-    """Qwen2-VL's processor over the byte tokenizer (its image processor's PIL backend; no video
-    processor, which needs torchvision: its type check is skipped for the missing one). A 56x56
-    image makes a 1x4x4 grid, 16 patches, 4 placeholder tokens."""
-    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
-    from transformers.processing_utils import ProcessorMixin
-
-    from forkrl.core.testing.models import byte_tokenizer
-
-    tok = byte_tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": SPECIAL})
-    check = ProcessorMixin.check_argument_for_proper_class
-    ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: (
-        None if arg is None else check(self, name, arg)
-    )
-    try:
-        image = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=56 * 56)
-        return Qwen2VLProcessor(image_processor=image, tokenizer=tok, video_processor=None)
-    finally:
-        ProcessorMixin.check_argument_for_proper_class = check
+    """Qwen2-VL's processor over the byte tokenizer: a 56x56 image makes a 1x4x4 grid, 16 patches,
+    4 placeholder tokens."""
+    return qwen_vl_processor(chat_template=None)
 
 
 def _model() -> torch.nn.Module:
     """A tiny Qwen2-VL (M-RoPE, a 2-layer vision tower), float32, seed 0."""
-    import transformers
-
-    tok = _processor().tokenizer
-    ids = tok.convert_tokens_to_ids(SPECIAL)
-    config = transformers.Qwen2VLConfig(
-        text_config=dict(
-            vocab_size=len(tok) + 2, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-            rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0},
-            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
-        ),
-        vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2),
-        vision_start_token_id=ids[0], image_token_id=ids[1], vision_end_token_id=ids[2], video_token_id=ids[3],
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.Qwen2VLForConditionalGeneration(config).float()
+    return qwen_vl_model(_processor().tokenizer)
 
 
 def _samples(

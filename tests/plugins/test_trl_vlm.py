@@ -9,15 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from .trl_helpers import base_args, relative_difference
+from forkrl.core.testing.vision import SPECIAL, TEMPLATE, qwen_vl_model, qwen_vl_processor
 
-SPECIAL = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
-TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }}: {% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for c in message['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|>"
-    "<|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %} "
-    "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
-)
+from .trl_helpers import base_args, relative_difference
 
 
 def _reward(completions, completion_ids, **kwargs) -> list[float]:
@@ -27,27 +21,8 @@ def _reward(completions, completion_ids, **kwargs) -> list[float]:
 
 
 def _processor(qwen3_5: bool = False):
-    """Qwen2-VL's (Qwen3.5's: Qwen3-VL's, patch 16) processor over the byte tokenizer (its image
-    processor's PIL backend; no video processor: it needs torchvision, which this environment leaves
-    out, so its type check is skipped for the missing one)."""
-    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen3VLProcessor
-    from transformers.processing_utils import ProcessorMixin
-
-    from forkrl.core.testing.models import byte_tokenizer
-
-    tok = byte_tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": SPECIAL})
-    check = ProcessorMixin.check_argument_for_proper_class
-    ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: (
-        None if arg is None else check(self, name, arg)
-    )
-    try:
-        side, patch = (64, 16) if qwen3_5 else (56, 14)
-        image = Qwen2VLImageProcessor(patch_size=patch, min_pixels=side * side, max_pixels=side * side)
-        cls = Qwen3VLProcessor if qwen3_5 else Qwen2VLProcessor
-        return cls(image_processor=image, tokenizer=tok, video_processor=None, chat_template=TEMPLATE)
-    finally:
-        ProcessorMixin.check_argument_for_proper_class = check
+    """Qwen2-VL's processor (Qwen3.5's: Qwen3-VL's, patch 16, 64x64 images) over the byte tokenizer."""
+    return qwen_vl_processor("qwen3_5_moe", side=64, patch=16) if qwen3_5 else qwen_vl_processor()
 
 
 def _llava_processor():
@@ -150,22 +125,7 @@ def _llava(tok):
 
 
 def _model(tok):
-    import transformers
-
-    ids = tok.convert_tokens_to_ids(SPECIAL)
-    config = transformers.Qwen2VLConfig(
-        text_config=dict(
-            vocab_size=len(tok) + 2, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-            rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0},
-            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
-        ),
-        vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2),
-        vision_start_token_id=ids[0], image_token_id=ids[1], vision_end_token_id=ids[2], video_token_id=ids[3],
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.Qwen2VLForConditionalGeneration(config)
+    return qwen_vl_model(tok)
 
 
 def _dataset(n: int = 4, size: int = 56):

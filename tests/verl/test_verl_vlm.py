@@ -21,17 +21,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from forkrl.core.testing.vision import qwen_vl_model, qwen_vl_processor
+
 from . import harness as h
 
 TOL = 1e-4  # of the update, as tests/verl/test_verl_engine.py
-
-SPECIAL = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
-TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }}: {% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for c in message['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|>"
-    "<|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %} "
-    "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
-)
 
 
 def _cpu_flash(query, key, value, attention_mask, query_length, *args, position_ids=None, **kwargs):
@@ -74,51 +68,11 @@ def cpu_flash():
 def _processor(family: str):
     """Qwen2-VL's (Qwen2.5-VL's) processor over the byte tokenizer (a 56x56 image: a 4x4 patch grid,
     4 tokens)."""
-    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLProcessor
-    from transformers.processing_utils import ProcessorMixin
-
-    from forkrl.core.testing.models import byte_tokenizer
-
-    tok = byte_tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": SPECIAL})
-    check = ProcessorMixin.check_argument_for_proper_class
-    ProcessorMixin.check_argument_for_proper_class = lambda self, name, arg: (
-        None if arg is None else check(self, name, arg)
-    )
-    try:
-        image = Qwen2VLImageProcessor(patch_size=14, min_pixels=56 * 56, max_pixels=56 * 56)
-        cls = Qwen2_5_VLProcessor if family == "qwen2_5_vl" else Qwen2VLProcessor
-        return cls(image_processor=image, tokenizer=tok, video_processor=None, chat_template=TEMPLATE)
-    finally:
-        ProcessorMixin.check_argument_for_proper_class = check
+    return qwen_vl_processor(family)
 
 
 def _model(tok, family: str):
-    import transformers
-
-    ids = tok.convert_tokens_to_ids(SPECIAL)
-    vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=14,
-                  spatial_merge_size=2, temporal_patch_size=2)  # fmt: skip
-    if (
-        family == "qwen2_5_vl"
-    ):  # window attention in the tower: a window of 2x2 merged patches, one full layer
-        vision.update(intermediate_size=64, out_hidden_size=32, fullatt_block_indexes=[1], window_size=56)
-    config_cls, model_cls = {
-        "qwen2_vl": (transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration),
-        "qwen2_5_vl": (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration),
-    }[family]
-    config = config_cls(
-        text_config=dict(
-            vocab_size=len(tok) + 2, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-            rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0},
-            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
-        ),
-        vision_config=vision, vision_start_token_id=ids[0], image_token_id=ids[1], vision_end_token_id=ids[2], video_token_id=ids[3],
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return model_cls(config)
+    return qwen_vl_model(tok, family, tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
