@@ -104,11 +104,12 @@ def _batch():
     return [p + r for p, _, r in rows], [i for _, i, _ in rows], [len(p) for p, _, _ in rows]
 
 
-def _dense(model, sequences, images, score_from, coefs):
-    """The model's own forward per sequence; returns log-probs and accumulates the gradient."""
+def _dense(model, sequences, images, score_from, coefs, inputs=None):
+    """The model's own forward per sequence; returns log-probs and accumulates the gradient.
+    ``inputs(ids, imgs)``: the forward's image arguments (default: the Qwen-VL family's)."""
     lps = []
     for seq, imgs, sf, c in zip(sequences, images, score_from, coefs, strict=True):
-        lp = _dense_logprobs_in_graph(model, seq, imgs, sf)
+        lp = _dense_logprobs_in_graph(model, seq, imgs, sf, inputs)
         (lp * c).sum().backward()
         lps.append(lp.detach())
     return lps
@@ -290,12 +291,14 @@ def test_tree_step_trains_images_with_a_host_loss(gradient):
             assert torch.allclose(scored[k][0][b, :n], refs[k][b], rtol=0, atol=1e-10)
 
 
-def _dense_logprobs_in_graph(model, seq, imgs, sf):
+def _dense_logprobs_in_graph(model, seq, imgs, sf, inputs=None):
     """One sequence's scored log-probs from the model's own forward with its pixel values (the
     log-softmax in float32, as hosts take it)."""
     ids = torch.tensor(seq)[None]
     kwargs = {}
-    if imgs:
+    if inputs is not None:
+        kwargs = inputs(ids, imgs)
+    elif imgs:
         kwargs = dict(
             pixel_values=torch.cat([i.pixel_values for i in imgs]),
             image_grid_thw=torch.stack([i.grid_thw for i in imgs]),
@@ -352,14 +355,16 @@ def test_llava_images_on_a_tree_equal_the_models_forward(mode):
     ]
     with Float64Mode():
         model = _llava()
-        want = []
-        for seq, imgs, sf, c in zip(sequences, images, score_from, coefs, strict=True):
-            ids = torch.tensor(seq)[None]
-            kwargs = {"pixel_values": torch.stack([i.pixel_values for i in imgs])} if imgs else {}
-            logits = model(input_ids=ids, use_cache=False, **kwargs).logits[0]
-            lp = torch.log_softmax(logits.float(), -1)[sf - 1 : -1].gather(-1, ids[0, sf:, None])[:, 0]
-            (lp * c).sum().backward()
-            want.append(lp.detach())
+        want = _dense(
+            model,
+            sequences,
+            images,
+            score_from,
+            coefs,
+            inputs=lambda ids, imgs: (
+                {"pixel_values": torch.stack([i.pixel_values for i in imgs])} if imgs else {}
+            ),
+        )
         want_grads = grads(model)
         model.zero_grad(set_to_none=True)
         vision = VisionBatch.prepare(model, sequences, images)
@@ -418,14 +423,17 @@ def test_llava_next_images_on_a_tree_equal_the_models_forward(mode):
         for s, sf in zip(sequences, score_from, strict=True)
     ]
     with Float64Mode():
-        want = []
-        for seq, imgs, sf, c in zip(sequences, images, score_from, coefs, strict=True):
-            ids = torch.tensor(seq)[None]
-            kw = {"pixel_values": imgs[0].pixel_values[None], "image_sizes": imgs[0].image_size[None]}
-            logits = model(input_ids=ids, use_cache=False, **kw).logits[0]
-            lp = torch.log_softmax(logits.float(), -1)[sf - 1 : -1].gather(-1, ids[0, sf:, None])[:, 0]
-            (lp * c).sum().backward()
-            want.append(lp.detach())
+        want = _dense(
+            model,
+            sequences,
+            images,
+            score_from,
+            coefs,
+            inputs=lambda ids, imgs: {
+                "pixel_values": imgs[0].pixel_values[None],
+                "image_sizes": imgs[0].image_size[None],
+            },
+        )
         want_grads = grads(model)
         model.zero_grad(set_to_none=True)
         vision = VisionBatch.prepare(model, sequences, images)
@@ -456,6 +464,12 @@ def _gemma3(seed: int = 0):
     return transformers.Gemma3ForConditionalGeneration(config).double().eval()
 
 
+def _gemma3_inputs(ids, imgs) -> dict:
+    """Gemma 3's forward arguments: its pixels and token types (the image tokens attend both ways)."""
+    pixels = {"pixel_values": torch.stack([i.pixel_values for i in imgs])} if imgs else {}
+    return {"token_type_ids": (ids == IMAGE).long(), **pixels}
+
+
 def _gemma3_rows():
     g = torch.Generator().manual_seed(7)
     rand = lambda n: torch.randint(0, 250, (n,), generator=g).tolist()  # noqa: E731
@@ -480,16 +494,7 @@ def test_gemma3_images_attend_both_ways_on_a_tree(mode):
     sequences, images, score_from, coefs = _gemma3_rows()
     with Float64Mode():
         model = _gemma3()
-        want = []
-        for seq, imgs, sf, c in zip(sequences, images, score_from, coefs, strict=True):
-            ids = torch.tensor(seq)[None]
-            kw = {"pixel_values": torch.stack([i.pixel_values for i in imgs])} if imgs else {}
-            logits = model(input_ids=ids, token_type_ids=(ids == IMAGE).long(), use_cache=False, **kw).logits[
-                0
-            ]
-            lp = torch.log_softmax(logits.float(), -1)[sf - 1 : -1].gather(-1, ids[0, sf:, None])[:, 0]
-            (lp * c).sum().backward()
-            want.append(lp.detach())
+        want = _dense(model, sequences, images, score_from, coefs, inputs=_gemma3_inputs)
         want_grads = grads(model)
         model.zero_grad(set_to_none=True)
         vision = VisionBatch.prepare(model, sequences, images)
