@@ -155,6 +155,7 @@ class VisionBatch:
         unique_images: int,
         deep_rows: list[torch.Tensor] | None = None,
         deep_graph: list[torch.Tensor] | None = None,
+        bidirectional: bool = False,
     ) -> None:
         self.sequences, self.positions, self.vocab = sequences, positions, vocab
         self.rows = rows  # [rows, hidden]: the leaf the tree reads (requires grad when training)
@@ -164,7 +165,7 @@ class VisionBatch:
         self._deep_graph = deep_graph or []
         self.unique_images = unique_images
         self._through: list[int] | None = None
-        self.bidirectional = False  # Gemma 3: an image's tokens attend to each other both ways
+        self.bidirectional = bidirectional  # Gemma 3: an image's tokens attend to each other both ways
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -239,12 +240,10 @@ class VisionBatch:
         ]
         rows = graph.detach().requires_grad_(trains)
         deep_rows = [g.detach().requires_grad_(trains) for g in deep_graph]
-        batch = cls(
+        return cls(
             tree_seqs, positions, vocab, rows, graph if trains else None, len(ordered),
-            deep_rows, deep_graph if trains else None,
+            deep_rows, deep_graph if trains else None, bidirectional=kind == "gemma3",
         )  # fmt: skip
-        batch.bidirectional = kind == "gemma3"
-        return batch
 
     # ------------------------------------------------------------------ in a pass
     def check(self, forest, mode: str) -> None:

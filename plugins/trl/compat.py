@@ -134,7 +134,7 @@ PRIVATES: tuple[HostPrivate, ...] = (
     HostPrivate(
         "trainer",
         "_is_vlm",
-        "vision-language models: the Qwen2-VL family's images on the tree, others refused",
+        "vision-language models: the families of forkrl.core.executor.vision on the tree, others refused",
         attribute=True,
     ),
     HostPrivate(

@@ -53,7 +53,7 @@ __all__ = ["GRPOTrainer", "RLOOTrainer", "TreeTrainingMixin"]
 
 logger = logging.getLogger(__name__)
 
-# Inputs of vision-language batches; the tree takes images as _IMAGE_KEYS carry them (Qwen2-VL family).
+# Inputs of vision-language batches; the tree takes images as _IMAGE_KEYS carry them.
 _MULTIMODAL_KEYS = (
     "pixel_values",
     "image_grid_thw",
