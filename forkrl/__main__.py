@@ -1,7 +1,8 @@
 """forkrl's command line.
 
     python -m forkrl estimate --model <path or name> --dataset <jsonl/parquet/csv/folder/hub name> \
-        --num-generations G --max-completion-length R [--host trl|verl|openrlhf] [--rollouts FILE]
+        --num-generations G --max-completion-length R [--host trl|verl|openrlhf]
+    python -m forkrl estimate --model <path or name> --rollouts <logged rollouts file> [--host ...]
 
 ``estimate`` reports what tree training would save on the user's own prompts before they switch
 it on (module :mod:`forkrl.core.estimate`).
@@ -14,6 +15,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 #: Per host: its stock micro-batch in tokens is not known here, but these are its defaults that
 #: change the estimate: no-grad scoring passes per step (veRL and OpenRLHF score the old and the
@@ -26,6 +28,9 @@ HOST_DEFAULTS = {
 }
 #: Models up to this many parameters are timed on this machine under ``--price auto``.
 FIT_MAX_PARAMS = 60_000_000
+#: Timed samples per calibration shape and path under ``--price fit`` (their spread is reported).
+DEFAULT_REPEATS = 3
+PROG = "python -m forkrl estimate"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,21 +45,31 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument(
         "--model", required=True, help="model folder or hub name (its config; weights are not read)"
     )
-    est.add_argument(
+    source = est.add_mutually_exclusive_group(required=True)
+    source.add_argument(
         "--dataset",
-        required=True,
-        help="prompts: .jsonl/.json/.parquet/.csv, a saved dataset folder, or a hub name",
+        help="prompts: .jsonl/.json/.parquet/.csv, a saved dataset folder, or a hub name "
+        "(each prompt gets G synthetic completions of R tokens)",
+    )
+    source.add_argument(
+        "--rollouts",
+        help="logged rollouts instead of prompts (.jsonl etc.: a prompt and a completion per row; "
+        "rows with the same prompt form a group)",
     )
     est.add_argument(
-        "--num-generations", "-G", type=int, required=True, metavar="G", help="completions per prompt"
+        "--num-generations",
+        "-G",
+        type=int,
+        metavar="G",
+        help="completions per prompt (required with --dataset; with --rollouts, checked against the logged groups)",
     )
     est.add_argument(
         "--max-completion-length",
         "-R",
         type=int,
-        required=True,
         metavar="R",
-        help="completion tokens (each synthetic completion has R)",
+        help="completion tokens (required with --dataset: each synthetic completion has R; with --rollouts, "
+        "checked against the logged completions)",
     )
     est.add_argument(
         "--host",
@@ -62,17 +77,17 @@ def _parser() -> argparse.ArgumentParser:
         default="trl",
         help="the host's dataset keys and defaults (default: trl)",
     )
-    est.add_argument(
-        "--rollouts",
-        help="logged rollouts (.jsonl etc.: a prompt and a completion per row) instead of synthetic completions",
-    )
     est.add_argument("--tokenizer", help="tokenizer folder or name (default: the model's)")
     est.add_argument(
         "--prompt-key", help="the prompt column (default: the host's: prompt, or input for openrlhf)"
     )
     est.add_argument("--split", default="train", help="dataset split (folders and hub datasets)")
     est.add_argument(
-        "--limit", type=int, default=0, metavar="N", help="read the first N prompts only (0: all)"
+        "--limit",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the first N prompts only (with --rollouts: the first N logged groups; 0: all)",
     )
     est.add_argument(
         "--prompts-per-step",
@@ -95,6 +110,20 @@ def _parser() -> argparse.ArgumentParser:
         help=f"fit: time the model here; config: FLOPs; auto: fit up to {FIT_MAX_PARAMS // 10**6}M parameters",
     )
     est.add_argument(
+        "--repeats",
+        type=int,
+        metavar="N",
+        help=f"timed samples per calibration shape when the model is timed (default {DEFAULT_REPEATS}, at "
+        "least 2): more narrow the reported spread",
+    )
+    est.add_argument(
+        "--timing-threads",
+        type=int,
+        metavar="N",
+        help="torch threads while the model is timed (default 1: other processes' load then slows every path "
+        "alike; 0: torch's own setting, for a machine nothing else uses)",
+    )
+    est.add_argument(
         "--score-passes", type=int, metavar="K", help="no-grad scoring passes per step (default: the host's)"
     )
     gc = est.add_mutually_exclusive_group()
@@ -111,43 +140,89 @@ def _say(args, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
+def _fail(message: str) -> SystemExit:
+    return SystemExit(f"{PROG}: error: {message}")
+
+
+def _check_args(args) -> None:
+    """Refuse what the arguments alone get wrong, before any file, config or model is read."""
+    from forkrl.core.estimate.workload import check_source
+
+    if args.dataset is not None:
+        for flag, value in (
+            ("--num-generations", args.num_generations),
+            ("--max-completion-length", args.max_completion_length),
+        ):
+            if value is None:
+                raise _fail(
+                    f"{flag} is required with --dataset (synthetic completions need it); or give --rollouts"
+                )
+    for flag, value, least in (
+        ("--num-generations", args.num_generations, 1),
+        ("--max-completion-length", args.max_completion_length, 1),
+        ("--prompts-per-step", args.prompts_per_step, 1),
+        ("--micro-batch-tokens", args.micro_batch_tokens, 1),
+        ("--limit", args.limit, 0),
+        ("--score-passes", args.score_passes, 0),
+        ("--repeats", args.repeats, 2),
+        ("--timing-threads", args.timing_threads, 0),
+    ):
+        if value is not None and value < least:
+            raise _fail(f"{flag} must be >= {least}, got {value}")
+    for flag, value in (("--repeats", args.repeats), ("--timing-threads", args.timing_threads)):
+        if value is not None and args.price == "config":
+            raise _fail(f"{flag} sets how the model is timed, and --price config does not time it: drop one")
+    try:
+        if args.dataset is not None:
+            check_source(args.dataset, "--dataset")
+        else:
+            check_source(args.rollouts, "--rollouts")
+    except ValueError as err:
+        raise _fail(str(err)) from None
+
+
 def _load_model_parts(args):
     from transformers import AutoConfig, AutoTokenizer
 
     try:
         config = AutoConfig.from_pretrained(args.model)
     except (OSError, ValueError) as err:
-        raise SystemExit(
-            f"python -m forkrl estimate: error: --model {args.model}: no config found ({err})"
-        ) from None
+        raise _fail(f"--model {args.model}: no config found ({err})") from None
     tokenizer = None
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
     except (OSError, ValueError, TypeError):
         if args.tokenizer:
-            raise SystemExit(
-                f"python -m forkrl estimate: error: --tokenizer {args.tokenizer}: not found"
-            ) from None
+            raise _fail(f"--tokenizer {args.tokenizer}: not found") from None
     return config, tokenizer
 
 
-def _pricing(args, config, workload, options):
+def parameter_count(n: int) -> str:
+    """``n`` parameters in a unit that keeps three significant figures: 812, 180K, 1.23M, 7B."""
+    for unit, scale in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
+def _fit(args, config, workload, options, params: int):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from forkrl.core.estimate import config_pricing, fit_pricing
+    from forkrl.core.estimate import fit_pricing
     from forkrl.core.estimate.pricing import calibration_shapes
 
-    with torch.device("meta"):
-        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-    if args.price == "config" or (args.price == "auto" and params > FIT_MAX_PARAMS):
-        _say(args, f"pricing from the config ({params / 1e6:.0f}M parameters)")
-        return config_pricing(config)
-    _say(args, f"timing the model here ({params / 1e6:.1f}M parameters, random weights)")
+    repeats = args.repeats or DEFAULT_REPEATS
+    # 0 asks for torch's own thread count, which fit_pricing keeps when given None.
+    threads = 1 if args.timing_threads is None else args.timing_threads or None
+    _say(
+        args,
+        f"timing the model here ({parameter_count(params)} parameters, random weights, {repeats} repeats)",
+    )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     shapes = calibration_shapes(
         int(statistics.median(workload.prompt_lengths())),
-        args.num_generations,
+        workload.group_size,
         int(statistics.median(workload.completion_lengths())),
     )
     return fit_pricing(
@@ -157,39 +232,80 @@ def _pricing(args, config, workload, options):
         options.replay_block_size,
         1 << 13,
         gradient_checkpointing=args.gradient_checkpointing,
+        repeats=repeats,
+        threads=threads,
+        score=args.score_passes > 0,
         progress=lambda m: _say(args, m),
     )
 
 
-def estimate_main(args) -> int:
-    from forkrl.core.estimate import estimate, format_report, load_rows, read_workload
+def _config(args, config, workload, options, params: int):
+    from forkrl.core.estimate import config_pricing
+
+    unused = (
+        " (nothing is timed: --repeats and --timing-threads unused)"
+        if args.repeats is not None or args.timing_threads is not None
+        else ""
+    )
+    _say(args, f"pricing from the config ({parameter_count(params)} parameters){unused}")
+    return config_pricing(config)
+
+
+#: ``--price`` sources: each returns a :class:`~forkrl.core.estimate.Pricing` for the workload.
+PRICING_SOURCES: dict[str, Callable] = {"fit": _fit, "config": _config}
+
+
+def _pricing(args, config, workload, options):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    source = args.price
+    if source == "auto":
+        source = "fit" if params <= FIT_MAX_PARAMS else "config"
+    return PRICING_SOURCES[source](args, config, workload, options, params)
+
+
+def _workload(args, config, tokenizer):
+    from forkrl.core.estimate import load_rows, read_workload
     from forkrl.core.estimate.workload import PROMPT_KEYS
+
+    keys = (args.prompt_key,) if args.prompt_key else PROMPT_KEYS[args.host]
+    logged = args.rollouts is not None
+    try:
+        rows = load_rows(
+            args.rollouts if logged else args.dataset, args.split, "--rollouts" if logged else "--dataset"
+        )
+        return read_workload(
+            None if logged else rows,
+            args.num_generations,
+            args.max_completion_length,
+            args.prompts_per_step,
+            tokenizer,
+            keys,
+            rows if logged else None,
+            vocab_size=getattr(config, "vocab_size", None) or 32000,
+            limit=args.limit,
+        )
+    except ValueError as err:
+        raise _fail(str(err)) from None
+
+
+def estimate_main(args) -> int:
+    """``python -m forkrl estimate`` on parsed arguments: prints the report (or its JSON)."""
+    from forkrl.core.estimate import estimate, format_report
     from forkrl.core.train import TreeOptions
 
     start = time.perf_counter()
+    _check_args(args)
     defaults = HOST_DEFAULTS[args.host]
     if args.score_passes is None:
         args.score_passes = defaults["score_passes"]
     if args.gradient_checkpointing is None:
         args.gradient_checkpointing = defaults["gradient_checkpointing"]
     config, tokenizer = _load_model_parts(args)
-    keys = (args.prompt_key,) if args.prompt_key else PROMPT_KEYS[args.host]
-    try:
-        rows = load_rows(args.dataset, args.split)
-        rows = rows[: args.limit] if args.limit else rows
-        rollouts = load_rows(args.rollouts, args.split) if args.rollouts else None
-        workload = read_workload(
-            rows,
-            args.num_generations,
-            args.max_completion_length,
-            args.prompts_per_step,
-            tokenizer,
-            keys,
-            rollouts,
-            vocab_size=config.vocab_size if hasattr(config, "vocab_size") else 32000,
-        )
-    except ValueError as err:
-        raise SystemExit(f"python -m forkrl estimate: error: {err}") from None
+    workload = _workload(args, config, tokenizer)
     options = TreeOptions(tree_packing=True)
     pricing = _pricing(args, config, workload, options)
     est = estimate(

@@ -1,17 +1,23 @@
 """``python -m forkrl estimate``: reads a user's prompts the ways hosts store them, prices the forest,
-picks the mode as ``tree_mode="auto"`` would, refuses bad input clearly, and its predicted speedup
-holds against measured steps (``benchmarks.estimate_check``)."""
+picks the mode as ``tree_mode="auto"`` would (or stock, with a warning, when no tree mode is
+predicted faster), prints every speedup against one stock prediction with its spread over repeated
+timings, gives the same answer run after run, refuses bad input clearly before loading a model, and
+its predicted speedup holds against measured steps (``benchmarks.estimate_check``)."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from transformers import AutoConfig
 
-from forkrl.__main__ import main
+from forkrl.__main__ import main, parameter_count
+from forkrl.core.balance.cost import CostModel
+from forkrl.core.estimate import PathCosts, Pricing, estimate, format_report, read_workload
 from forkrl.core.testing.models import byte_llama, byte_tokenizer, save_pretrained
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +61,8 @@ def test_a_thousand_text_prompts_with_the_examples_model(model_dir, tmp_path, ca
     assert est["compression"] > 1.5 * G * (P + R) / (P + G * R)
     assert set(est["modes"]) == {"keep", "replay", "packed"}
     assert est["modes"]["keep"]["train_speedup"] > 1.5  # a long shared prompt: the tree is faster
-    assert est["modes"]["replay"]["cache_bytes"] > 0 and est["stock"]["train_speedup"] == 1.0
+    assert est["modes"]["replay"]["cache_bytes"] > 0
+    assert est["stock"]["train_speedup"] == est["stock"]["step_speedup"] == 1.0
     # TRL's gradient checkpointing is on by default: auto replays, and says so.
     assert est["pick"] == "replay" and "gradient checkpointing" in est["reason"]
 
@@ -88,18 +95,196 @@ def test_host_conventions_chat_messages_parquet_and_a_saved_dataset(model_dir, t
     assert "FLOPs" in a["pricing"]
 
 
-def test_logged_rollouts_count_the_completions_shared_openings(model_dir, tmp_path, capsys):
-    prompts = _prompts(4)
-    rollouts = [
-        {"prompt": p, "completion": f"Let me think step by step about {k}"} for p in prompts for k in range(4)
+def _rollouts(tmp_path: Path, prompts: int = 4, group: int = 4) -> str:
+    rows = [
+        {"prompt": p, "completion": f"Let me think step by step about {k}"}
+        for p in _prompts(prompts)
+        for k in range(group)
     ]
-    data = _jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in prompts])
-    logged = _jsonl(tmp_path / "r.jsonl", rollouts)
-    common = ["--model", model_dir, "--dataset", data, "-G", "4", "-R", "34", "--price", "config"]
-    synthetic = _estimate(capsys, *common)
-    real = _estimate(capsys, *common, "--rollouts", logged)
-    assert real["logged"] and real["group_size"] == 4
+    return _jsonl(tmp_path / "r.jsonl", rows)
+
+
+def test_logged_rollouts_count_the_completions_shared_openings(model_dir, tmp_path, capsys):
+    data = _jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in _prompts(4)])
+    synthetic = _estimate(
+        capsys, "--model", model_dir, "--dataset", data, "-G", "4", "-R", "34", "--price", "config"
+    )
+    real = _estimate(capsys, "--model", model_dir, "--rollouts", _rollouts(tmp_path), "--price", "config")
+    assert real["logged"] and real["group_size"] == 4 and real["prompts"] == 4
     assert real["compression"] > synthetic["compression"]  # "Let me think step by step about " is shared
+
+
+def test_rollouts_honour_limit_and_refuse_what_the_logs_contradict(model_dir, tmp_path, capsys):
+    logged = [
+        "--model",
+        model_dir,
+        "--rollouts",
+        _rollouts(tmp_path, prompts=4, group=4),
+        "--price",
+        "config",
+    ]
+    assert _estimate(capsys, *logged, "--limit", "2")["prompts"] == 2
+    assert _estimate(capsys, *logged, "-G", "4", "-R", "40")["group_size"] == 4  # what the logs hold
+    with pytest.raises(
+        SystemExit, match=r"--num-generations 8: the logged rollouts have 4 completions per prompt"
+    ):
+        main(["estimate", *logged, "-G", "8"])
+    with pytest.raises(
+        SystemExit, match=r"--max-completion-length 10: --rollouts row 0's completion has 3\d tokens"
+    ):
+        main(["estimate", *logged, "-R", "10"])
+
+
+def test_dataset_and_rollouts_are_alternatives_refused_before_the_model(tmp_path, capsys):
+    """The arguments alone decide these: the error comes before the (missing) model is looked for."""
+    no_model = ["estimate", "--model", str(tmp_path / "no-model")]
+    data = _jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    with pytest.raises(SystemExit, match=f"--rollouts {re.escape(str(tmp_path))}/nope.jsonl: no such file"):
+        main([*no_model, "--rollouts", str(tmp_path / "nope.jsonl")])
+    with pytest.raises(SystemExit, match="--num-generations is required with --dataset"):
+        main([*no_model, "--dataset", data, "-R", "8"])
+    with pytest.raises(SystemExit, match="--repeats must be >= 2, got 1"):
+        main([*no_model, "--dataset", data, "-G", "2", "-R", "8", "--repeats", "1"])
+    with pytest.raises(SystemExit, match="--price config does not time it"):
+        main([*no_model, "--dataset", data, "-G", "2", "-R", "8", "--price", "config", "--repeats", "3"])
+    capsys.readouterr()
+    for argv in ([*no_model, "--dataset", data, "--rollouts", data], no_model):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2  # argparse: one of --dataset --rollouts, not both
+        assert "--dataset" in capsys.readouterr().err
+
+
+def test_an_unreachable_hub_dataset_is_one_clear_line(model_dir, monkeypatch):
+    """No Hub: the dataset is read from the cache only, at once, and the error names it and the way out."""
+    pytest.importorskip("datasets")
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens on port 9
+    argv = ["estimate", "--model", model_dir, "--dataset", "someone/no-such-prompts", "-G", "2", "-R", "4"]
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--price", "config"])
+    message = str(exc.value)
+    assert message.startswith("python -m forkrl estimate: error: --dataset someone/no-such-prompts: ")
+    assert "could not be loaded" in message and "cannot be reached" in message and "local file" in message
+    assert "\n" not in message and not constants.HF_HUB_OFFLINE  # offline mode was for that one call
+
+
+def test_price_config_prints_the_parameter_count(model_dir, tmp_path, capsys):
+    data = _jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in _prompts(4)])
+    assert (
+        main(["estimate", "--model", model_dir, "--dataset", data, "-G", "2", "-R", "8", "--price", "config"])
+        == 0
+    )
+    count = sum(p.numel() for p in byte_llama(0, hidden_size=64, intermediate_size=172).parameters())
+    assert f"pricing from the config ({parameter_count(count)} parameters)" in capsys.readouterr().err
+    assert parameter_count(count) == f"{count / 1e3:.3g}K" != "0M"
+    assert [parameter_count(n) for n in (812, 180_000, 1_234_567, 7_000_000_000)] == [
+        "812",
+        "180K",
+        "1.23M",
+        "7B",
+    ]
+
+
+def test_the_stock_row_is_one_and_every_speedup_is_over_the_same_stock(model_dir, tmp_path, capsys):
+    """OpenRLHF scores old and reference log-probs: the stock step includes stock scoring, not the tree's."""
+    rows = [{"prompt_ids": [i] * (60 + 7 * i)} for i in range(8)]  # unequal prompts: stock pads
+    data = _jsonl(tmp_path / "ids.jsonl", rows)
+    est = _estimate(
+        capsys,
+        "--model",
+        model_dir,
+        "--dataset",
+        data,
+        "-G",
+        "4",
+        "-R",
+        "16",
+        "--host",
+        "openrlhf",
+        "--price",
+        "config",
+    )
+    assert est["score_passes"] == 2
+    assert est["stock"]["train_speedup"] == est["stock"]["step_speedup"] == 1.0
+    assert est["stock"]["step_speedup_range"] == [1.0, 1.0]
+    keep = est["modes"]["keep"]
+    assert keep["step_speedup"] > 1 and keep["step_speedup_range"] == [keep["step_speedup"]] * 2  # no repeats
+
+
+def _workload(shared: int, group: int, prompts: int = 6):
+    """Token-id prompts sharing their first ``shared`` tokens, ``group`` completions of 16 each."""
+    rows = [{"prompt_ids": [1] * shared + [2 + i] * (40 - shared)} for i in range(prompts)]
+    return read_workload(rows, group, 16, 3, vocab_size=256)
+
+
+def _pricing(tree: dict[str, CostModel], repeats: list[dict[str, CostModel]] = ()) -> Pricing:
+    """Stock costs one per token; each tree mode as given (and as given for each repeat)."""
+    score = {"dense": CostModel(), "tree": CostModel()}
+    return Pricing(
+        how="test prices",
+        costs=PathCosts({"dense": CostModel(), **tree}, score),
+        saved_bytes={},
+        cache_bytes_per_token=0.0,
+        repeats=[PathCosts({"dense": CostModel(), **r}, score) for r in repeats],
+    )
+
+
+def test_stock_is_picked_with_a_warning_when_no_tree_mode_is_faster():
+    config = AutoConfig.for_model(
+        "llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_attention_heads=4
+    )
+    costly = CostModel(per_token=1.0, per_unit=1e4)  # a unit costs more than the tokens it saves
+    est = estimate(
+        _workload(shared=30, group=4),
+        _pricing(dict.fromkeys(("keep", "replay", "packed"), costly)),
+        config,
+        4096,
+    )
+    assert est.pick == "stock" and est.auto_mode == "keep"
+    assert all(m.step_speedup < 1 for m in est.modes.values())
+    report = format_report(est)
+    for mode in ("keep", "replay", "packed"):
+        assert f"warning: tree_mode={mode} is predicted slower than stock" in report
+    assert "warning: no tree mode is predicted faster than stock" in report
+    assert report.splitlines()[-1].startswith(
+        "pick: stock (tree_packing off): no tree mode is predicted faster"
+    )
+    # A faster mode beside a slower one: auto's mode is kept, and the slower one still gets its line.
+    est = estimate(
+        _workload(shared=30, group=4), _pricing({"keep": CostModel(), "replay": costly}), config, 4096
+    )
+    assert est.pick == "keep" and est.modes["keep"].step_speedup > 1
+    assert est.warnings == [
+        f"warning: tree_mode=replay is predicted slower than stock on this workload: "
+        f"{est.modes['replay'].step_speedup:.2f}x per step"
+    ]
+    # Auto's mode slower, another faster: auto's pick is named slower and the faster mode suggested.
+    est = estimate(
+        _workload(shared=30, group=4),
+        _pricing({"keep": CostModel(), "replay": costly}),
+        config,
+        4096,
+        gradient_checkpointing=True,
+    )
+    assert est.pick == "replay" and any("set tree_mode=keep" in w for w in est.warnings)
+
+
+def test_the_spread_is_the_range_over_the_repeats_and_is_printed():
+    config = AutoConfig.for_model(
+        "llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_attention_heads=4
+    )
+    work = _workload(shared=30, group=4)
+    repeats = [{"keep": CostModel(per_token=f)} for f in (0.9, 1.0, 1.2)]
+    est = estimate(work, _pricing({"keep": CostModel()}, repeats), config, 4096)
+    each = [estimate(work, _pricing(r), config, 4096).modes["keep"].train_speedup for r in repeats]
+    keep = est.modes["keep"]
+    assert keep.train_speedup_range == (min(each), max(each)) and min(each) < keep.train_speedup < max(each)
+    assert est.stock.train_speedup_range == (1.0, 1.0)
+    margin = max(max(each) - keep.train_speedup, keep.train_speedup - min(each))
+    row = next(line for line in format_report(est).splitlines() if line.startswith("keep"))
+    assert f"{keep.train_speedup:.2f}x ±{margin:.2f}" in row
 
 
 @pytest.mark.parametrize(
@@ -160,3 +345,43 @@ def test_the_predicted_speedup_holds_within_25_percent_of_measured_steps():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(result["rows"]) == 3
     assert proc.returncode == 0 and result["worst_error"] <= 0.25, proc.stdout[-3000:]
+
+
+@pytest.mark.timing  # times the model (one thread, CPU time)
+def test_a_workload_with_nothing_shared_picks_stock_with_warnings(model_dir, tmp_path, capsys):
+    """One completion per prompt and no two prompts alike: the forest is the batch itself, and the
+    tree adds its own work per node, so every mode is predicted slower and stock is the pick."""
+    rows = [{"prompt_ids": [(7 * i + k) % 250 + 3 for k in range(48)]} for i in range(16)]
+    data = _jsonl(tmp_path / "distinct.jsonl", rows)
+    assert (
+        main(["estimate", "--model", model_dir, "--dataset", data, "-G", "1", "-R", "16", "--price", "fit"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    for mode in ("keep", "replay", "packed"):
+        assert f"warning: tree_mode={mode} is predicted slower than stock" in out
+    assert "warning: no tree mode is predicted faster than stock" in out
+    assert out.splitlines()[-1].startswith("pick: stock (tree_packing off)")
+
+
+#: Identical estimates agree within this factor (highest over lowest keep speedup). The fit times on
+#: one thread by CPU time, so another process's load delays a call without being counted.
+STABLE_WITHIN = 1.25
+
+
+@pytest.mark.timing  # times the model three times
+def test_repeated_estimates_agree_and_print_their_spread(model_dir, tmp_path, capsys):
+    data = _jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in _prompts(16)])
+    argv = ["--model", model_dir, "--dataset", data, "-G", "4", "-R", "16", "--price", "fit"]
+    runs = [_estimate(capsys, *argv) for _ in range(2)]
+    for r in runs:
+        assert r["stock"]["step_speedup"] == 1.0 and set(r["timing_spread"]) >= {"dense", "keep"}
+        low, high = r["modes"]["keep"]["step_speedup_range"]
+        assert 0 < low < high  # each repeat's fit predicts its own speedup
+    assert main(["estimate", *argv]) == 0
+    printed = capsys.readouterr().out
+    row = re.search(r"^keep +(\d+\.\d\d)x ±\d+\.\d\d +(\d+\.\d\d)x ±\d+\.\d\d ", printed, re.M)
+    assert row, printed
+    assert "±: the farthest from the estimate that a fit to one repeat's timings alone predicts" in printed
+    keep = [r["modes"]["keep"]["step_speedup"] for r in runs] + [float(row[2])]
+    assert max(keep) / min(keep) <= STABLE_WITHIN, keep

@@ -1,17 +1,38 @@
 """What each path costs, per shape: fitted on the spot from timings of the user's model, or priced
 from its config's FLOPs when the model is too large to time here.
 
+A source of prices returns a :class:`Pricing`: one cost model per path (the estimate), and
+optionally the same models fitted to each of several repeated measurements (the estimate's
+spread). :func:`fit_pricing` and :func:`config_pricing` are the two sources; a source that has no
+repeated measurements leaves ``repeats`` empty and its estimate has no spread.
+
 Fitting builds the model from its config (random weights: a step's time does not depend on them),
 times the stock path and each tree mode on a few small GRPO-shaped batches derived from the
 workload, and fits one :class:`~forkrl.core.balance.CostModel` per path (seconds as a non-negative
-linear function of tokens, attended pairs, units and scored rows). The shapes priced later are the
-workload's own, larger ones: the fit never sees them. Autograd's saved bytes are measured on the
-same batches, per held token and per scored row.
+linear function of tokens, attended pairs, units and scored rows).
+
+A shared machine makes timings unreliable, and one way dominates: timed with as many threads as
+cores, every parallel operation waits for its slowest thread, and while another process holds a
+core that thread waits for a time slice. The stall is paid per operation, not per FLOP, so it
+grows calls many times over (on a 2-core machine under other processes' load, a stock step took
+about 4 times as long on two threads as on one) and tilts the comparison against the paths with
+more, smaller operations (the tree modes). The fit therefore times on one thread (``threads``)
+and counts that thread's CPU time, which leaves out the time another process held the core.
+Beyond that, every shape is first run untimed (its allocations and first-use work), each timed
+sample runs the call until it lasts ``min_seconds`` (short calls are mostly timer and scheduler
+jitter), the paths of a shape are timed back to back in every repeat (load that changes over the
+fit hits stock and tree alike), and the fit takes each point's median over the repeats, since a
+fit of four coefficients to six points amplifies whatever noise its points carry when it
+extrapolates to the workload's larger shapes. The prediction is for the thread count timed: the
+tree's speedup on one thread is not its speedup on many.
+The shapes priced later are the workload's own, larger ones: the fit never sees them.
+Autograd's saved bytes are measured on the same batches, per held token and per scored row.
 """
 
 from __future__ import annotations
 
-import contextlib
+import math
+import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -29,6 +50,7 @@ from .workload import Step, dense_stats, tree_peaks
 
 __all__ = [
     "TREE_MODES",
+    "PathCosts",
     "Pricing",
     "calibration_shapes",
     "config_pricing",
@@ -41,16 +63,37 @@ TREE_MODES = ("keep", "replay", "packed")
 
 
 @dataclass
-class Pricing:
-    """Per path (``"dense"`` and each tree mode) its training cost model, the scoring cost models
-    (``"dense"``, ``"tree"``), the saved bytes per held token and per scored row, and the key/value
-    cache bytes per token (replay holds a path's cache without autograd)."""
+class PathCosts:
+    """Cost models of one pricing: per path (``"dense"`` and each tree mode) its training step, and
+    per scoring kind (``"dense"``, ``"tree"``) its no-grad pass."""
 
-    how: str
     train: dict[str, CostModel]
     score: dict[str, CostModel]
+
+
+@dataclass
+class Pricing:
+    """How a workload's steps are priced.
+
+    Attributes:
+        how: one line saying where the prices come from.
+        costs: the cost models the estimate uses.
+        repeats: the same cost models fitted to each repeated measurement alone (empty when the
+            source has none): the estimate's spread is the spread of their predictions.
+        timing_spread: per path, the largest (slowest - fastest) / median of one shape's repeated
+            timings (empty without repeats).
+        saved_bytes: per path, autograd's saved bytes per held token and per scored row.
+        cache_bytes_per_token: key/value cache bytes per token (replay holds a path's cache
+            without autograd).
+        refused: tree modes the model refuses, with the reason.
+    """
+
+    how: str
+    costs: PathCosts
     saved_bytes: dict[str, tuple[float, float]]
     cache_bytes_per_token: float
+    repeats: list[PathCosts] = field(default_factory=list)
+    timing_spread: dict[str, float] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)
 
 
@@ -107,10 +150,17 @@ def calibration_shapes(prompt: int, group: int, completion: int) -> list[tuple[i
     return [(p, G, R), (P, g, R), (P, G, r), (p, g, R), (p, G, r), (P, g, r)]
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+def _timed(
+    model: nn.Module, fn: Callable[[], object], calls: int = 1, clock: Callable[[], float] = time.perf_counter
+) -> float:
+    """Seconds per call of ``fn`` over ``calls`` calls by ``clock`` (gradients cleared before each, untimed)."""
+    total = 0.0
+    for _ in range(calls):
+        model.zero_grad(set_to_none=True)
+        start = clock()
+        fn()
+        total += clock() - start
+    return total / calls
 
 
 def fit_pricing(
@@ -120,76 +170,177 @@ def fit_pricing(
     block_size: int,
     leaf_batch_tokens: int,
     gradient_checkpointing: bool = False,
-    repeat: int = 2,
+    repeats: int = 3,
+    min_seconds: float = 0.05,
+    threads: int | None = 1,
+    score: bool = True,
     progress: Callable[[str], None] = lambda _: None,
 ) -> Pricing:
-    """Time every path on ``shapes`` (the fastest of ``repeat`` round-robin runs) and fit the models.
+    """Time every path on ``shapes`` ``repeats`` times and fit the models (module docstring).
+
+    Args:
+        model: the user's model, built from its config (weights do not matter).
+        shapes: the calibration shapes ``(P, G, R)`` (:func:`calibration_shapes`).
+        micro_batch_tokens: the stock path's micro-batch bound in padded tokens.
+        block_size: replay's block size.
+        leaf_batch_tokens: the executors' leaf batch bound.
+        gradient_checkpointing: time the stock path with the model's gradient checkpointing on.
+        repeats: timed samples per shape and path (at least 2: the spread needs two).
+        min_seconds: a sample repeats its call until it lasts at least this long.
+        threads: torch's intra-op threads while timing (restored after); None keeps the current
+            setting (on a machine nothing else uses, to price the speed of all its cores). On one
+            thread a call's CPU time is timed, else its wall time.
+        score: also time the no-grad scoring passes (``costs.score``; leave them out when the
+            host scores nothing).
+        progress: called with a line before each stage.
 
     Returns:
-        A :class:`Pricing`; a tree mode the model refuses is in ``refused`` with the reason.
+        A :class:`Pricing` fitted to each point's median over the repeats, with ``repeats`` (one
+        fit per repeat) and ``timing_spread``; a tree mode the model refuses is in ``refused``.
+
+    Raises:
+        ValueError: ``repeats`` below 2, ``min_seconds`` negative or ``threads`` below 1.
     """
+    if repeats < 2:
+        raise ValueError(f"fit_pricing: repeats={repeats}: the spread needs at least 2 repeats")
+    if not min_seconds >= 0:
+        raise ValueError(f"fit_pricing: min_seconds={min_seconds} must be >= 0")
+    if threads is not None and threads < 1:
+        raise ValueError(f"fit_pricing: threads={threads} must be >= 1 (or None: torch's current setting)")
     vocab = model.config.vocab_size
     model.train()
     executors, refused = _executors(model, block_size, leaf_batch_tokens)
-    rows: dict[str, list[tuple[PieceStats, float]]] = {}
-    saved: dict[str, list[tuple[PieceStats, float]]] = {}
-    meter = SavedBytes()
-    _warm_up(model, executors, vocab, micro_batch_tokens)
-    for k, (P, G, R) in enumerate(shapes):
-        progress(f"timing shape {k + 1}/{len(shapes)}: P={P} G={G} R={R}")
-        runs = _runs(
+
+    def runs(k: int, shape: tuple[int, int, int]) -> dict[str, _Run]:
+        batch = grpo_batch(*shape, vocab, seed=k)
+        return _runs(
             model,
             executors,
-            grpo_batch(P, G, R, vocab, seed=k),
+            batch,
             micro_batch_tokens,
             block_size,
             leaf_batch_tokens,
             gradient_checkpointing,
+            score,
         )
-        best = {name: float("inf") for name in runs}
-        for rep in range(repeat):
-            for name, (_, peak, fn) in runs.items():
-                model.zero_grad(set_to_none=True)
-                with meter.measure() if rep == 0 and peak is not None else contextlib.nullcontext():
-                    best[name] = min(best[name], _timed(fn))
-                if rep == 0 and peak is not None:
-                    saved.setdefault(name, []).append(
-                        (PieceStats(tokens=peak[0], scored=peak[1]), float(meter.peak))
-                    )
-        for name, (stats, _, _) in runs.items():
-            rows.setdefault(name, []).append((stats, best[name]))
-    model.zero_grad(set_to_none=True)
-    fits = {name: CostModel.fit([s for s, _ in r], [t for _, t in r]) for name, r in rows.items()}
+
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    used = torch.get_num_threads()
+    try:
+        _warm_up(model, executors, vocab, micro_batch_tokens)
+        # On one thread every operation runs on the calling thread: its CPU time is the work,
+        # without the time other processes held the core.
+        clock = time.thread_time if used == 1 else time.perf_counter
+        timings = _measure(model, shapes, runs, repeats, min_seconds, clock, progress)
+    finally:
+        torch.set_num_threads(before)
     return Pricing(
-        how=f"fitted on this machine from {len(shapes)} timed shapes",
-        train={name: fit for name, fit in fits.items() if not name.startswith("score:")},
-        score={"dense": fits["score:dense"], "tree": fits["score:tree"]},
-        saved_bytes={name: _per_token(r) for name, r in saved.items()},
+        how=f"fitted on this machine to {len(shapes)} shapes timed {repeats} times each on "
+        f"{used} thread{'s' if used > 1 else ''}",
+        costs=timings.costs(statistics.median),
+        saved_bytes={name: _per_token(r) for name, r in timings.saved.items()},
         cache_bytes_per_token=_cache_bytes_per_token(model.config, next(model.parameters()).element_size()),
+        repeats=[timings.costs(lambda t, rep=rep: t[rep]) for rep in range(repeats)],
+        timing_spread={
+            name: max((max(t) - min(t)) / statistics.median(t) for t in per_shape)
+            for name, per_shape in timings.seconds.items()
+        },
         refused=refused,
     )
 
 
-def _runs(model, executors, batch, micro_batch_tokens, block_size, leaf_batch_tokens, gradient_checkpointing):
-    """Per path on one batch: its priced shape, the ``(tokens, scored)`` it holds at its peak
-    (None for the no-grad scoring passes) and the step to time."""
+#: One path on one calibration batch: its priced shape, the ``(tokens, scored)`` it holds at its
+#: peak (None for a no-grad scoring pass) and the call to time.
+_Run = tuple[PieceStats, "tuple[float, float] | None", Callable[[], object]]
+
+
+@dataclass
+class _Timings:
+    """Per path, each calibration shape's :class:`PieceStats` and its repeated seconds; per grad
+    path, (held shape, saved bytes) per shape."""
+
+    stats: dict[str, list[PieceStats]]
+    seconds: dict[str, list[list[float]]]
+    saved: dict[str, list[tuple[PieceStats, float]]]
+
+    def costs(self, pick: Callable[[list[float]], float]) -> PathCosts:
+        """Cost models fitted to one figure per shape, ``pick`` of its repeated seconds."""
+        fits = {
+            name: CostModel.fit(self.stats[name], [pick(t) for t in self.seconds[name]])
+            for name in self.seconds
+        }
+        return PathCosts(
+            train={name: fit for name, fit in fits.items() if not name.startswith("score:")},
+            score={
+                name.removeprefix("score:"): fit for name, fit in fits.items() if name.startswith("score:")
+            },
+        )
+
+
+def _measure(
+    model: nn.Module,
+    shapes: list[tuple[int, int, int]],
+    runs_of: Callable[[int, tuple[int, int, int]], dict[str, _Run]],
+    repeats: int,
+    min_seconds: float,
+    clock: Callable[[], float],
+    progress: Callable[[str], None],
+) -> _Timings:
+    meter = SavedBytes()
+    saved: dict[str, list[tuple[PieceStats, float]]] = {}
+    batches = []
+    for k, shape in enumerate(shapes):
+        progress(f"preparing shape {k + 1}/{len(shapes)}: P={shape[0]} G={shape[1]} R={shape[2]}")
+        runs = runs_of(k, shape)
+        calls = {}
+        for name, (_, peak, fn) in runs.items():
+            # The first call at a shape is untimed: it grows the allocator, runs first-use work and
+            # measures the saves; its time (an upper bound, the meter adds to it) sizes the samples.
+            model.zero_grad(set_to_none=True)
+            start = clock()
+            with meter.measure():
+                fn()
+            calls[name] = max(1, math.ceil(min_seconds / max(clock() - start, 1e-9)))
+            if peak is not None:
+                saved.setdefault(name, []).append(
+                    (PieceStats(tokens=peak[0], scored=peak[1]), float(meter.peak))
+                )
+        batches.append((runs, calls))
+    seconds: dict[str, list[list[float]]] = {name: [[] for _ in shapes] for name in batches[0][0]}
+    for rep in range(repeats):
+        progress(f"timing repeat {rep + 1}/{repeats} of {len(shapes)} shapes")
+        for k, (runs, calls) in enumerate(batches):
+            for name, (_, _, fn) in runs.items():
+                seconds[name][k].append(_timed(model, fn, calls[name], clock))
+    model.zero_grad(set_to_none=True)
+    stats = {name: [runs[name][0] for runs, _ in batches] for name in seconds}
+    return _Timings(stats, seconds, saved)
+
+
+def _runs(
+    model, executors, batch, micro_batch_tokens, block_size, leaf_batch_tokens, gradient_checkpointing, score
+) -> dict[str, _Run]:
+    """Every path's :data:`_Run` on one batch (the scoring passes only with ``score``)."""
     seqs, sf, coefs = batch
     step = Step([s.tolist() for s in seqs], sf)
     dense, dense_peak = dense_stats(step, micro_batch_tokens)
     tree, peaks = forest_stats(step.forest), tree_peaks(step, leaf_batch_tokens, block_size)
-    runs = {
+    runs: dict[str, _Run] = {
         "dense": (
             dense,
             dense_peak,
             lambda: _dense_train(model, seqs, sf, coefs, micro_batch_tokens, gradient_checkpointing),
         ),
-        "score:dense": (
+    }
+    if score:
+        runs["score:dense"] = (
             dense,
             None,
             lambda: dense_step(model, seqs, sf, coefs, micro_batch_tokens, grad=False),
-        ),
-        "score:tree": (tree, None, lambda: executors["keep"].score(step.forest)),
-    }
+        )
+        runs["score:tree"] = (tree, None, lambda: executors["keep"].score(step.forest))
     for mode, ex in executors.items():
         runs[mode] = (tree, peaks[mode], lambda ex=ex: ex.backward(step.forest, coefs))
     return runs
@@ -292,8 +443,10 @@ def config_pricing(config, element_size: int = 2) -> Pricing:
     per_scored = float(2 * s["vocab"] * 4)
     return Pricing(
         how="priced from the config's FLOPs (no timings: the tree modes are not told apart)",
-        train={"dense": train, **dict.fromkeys(TREE_MODES, train)},
-        score={"dense": forward, "tree": forward},
+        costs=PathCosts(
+            train={"dense": train, **dict.fromkeys(TREE_MODES, train)},
+            score={"dense": forward, "tree": forward},
+        ),
         saved_bytes={"dense": (per_token, per_scored), **dict.fromkeys(TREE_MODES, (per_token, per_scored))},
         cache_bytes_per_token=_cache_bytes_per_token(config, element_size),
     )

@@ -9,12 +9,18 @@ OpenRLHF's ``--apply_chat_template`` do). A rollouts file has a prompt and a ``c
 
 Without rollouts each prompt gets G completions of R distinct tokens: they share the prompt and
 nothing else, the least a real group shares (real completions often open alike).
+
+A hub dataset is read through ``datasets``; when the Hub cannot be reached, only a cached copy is
+read (at once, instead of after the Hub client's retries).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,12 +30,15 @@ from ..balance.cost import PieceStats
 from ..balance.plan import forest_stats, trees_of_forest
 from ..tree import PrefixForest
 
-__all__ = ["Step", "Workload", "dense_stats", "load_rows", "read_workload"]
+__all__ = ["Step", "Workload", "check_source", "dense_stats", "load_rows", "read_workload"]
 
 #: Where a prompt is looked for in a row, by host (their dataset conventions), then the others.
 PROMPT_KEYS = {"trl": ("prompt",), "verl": ("prompt",), "openrlhf": ("input", "prompt")}
 ID_KEYS = ("prompt_ids", "input_ids")
 COMPLETION_KEYS = ("completion_ids", "completion", "response", "output")
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+#: Seconds to wait for the Hub before reading a hub dataset from the local cache only.
+HUB_PROBE_SECONDS = 5.0
 
 
 @dataclass
@@ -73,16 +82,32 @@ class Workload:
 # ---------------------------------------------------------------------------- reading
 
 
-def load_rows(source: str, split: str = "train") -> list[dict[str, Any]]:
-    """The rows of a JSONL/JSON/Parquet/CSV file, a saved dataset folder, or a hub dataset name.
+def check_source(source: str, flag: str = "--dataset") -> None:
+    """Refuse a file name that does not exist, before anything else is read.
 
     Raises:
-        ValueError: a file that does not exist or has no rows, or a format it cannot read.
+        ValueError: ``source`` names a .jsonl/.json/.parquet/.csv file that does not exist.
     """
     path = Path(source)
+    if path.suffix.lower() in FILE_SUFFIXES and not path.is_file():
+        raise ValueError(f"{flag} {source}: no such file")
+
+
+def load_rows(source: str, split: str = "train", flag: str = "--dataset") -> list[dict[str, Any]]:
+    """The rows of a JSONL/JSON/Parquet/CSV file, a saved dataset folder, or a hub dataset name.
+
+    Args:
+        source: the file, folder or hub name.
+        split: the split of a folder or hub dataset.
+        flag: the option ``source`` came from, named in errors.
+
+    Raises:
+        ValueError: a file that does not exist or has no rows, a format it cannot read, or a hub
+            dataset that cannot be loaded.
+    """
+    check_source(source, flag)
+    path = Path(source)
     suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".json", ".parquet", ".csv") and not path.is_file():
-        raise ValueError(f"--dataset {source}: no such file")
     if suffix == ".jsonl":
         with path.open() as f:
             rows = [json.loads(line) for line in f if line.strip()]
@@ -90,22 +115,22 @@ def load_rows(source: str, split: str = "train") -> list[dict[str, Any]]:
         data = json.loads(path.read_text())
         rows = data if isinstance(data, list) else data.get("data", data.get("rows", []))
     elif suffix in (".parquet", ".csv") or path.is_dir() or not path.exists():
-        rows = _datasets_rows(source, suffix, split)
+        rows = _datasets_rows(source, suffix, split, flag)
     else:
         raise ValueError(
-            f"--dataset {source}: give a .jsonl, .json, .parquet or .csv file, a saved dataset folder or a hub name"
+            f"{flag} {source}: give a .jsonl, .json, .parquet or .csv file, a saved dataset folder or a hub name"
         )
     if not rows:
-        raise ValueError(f"--dataset {source}: no rows")
+        raise ValueError(f"{flag} {source}: no rows")
     return rows
 
 
-def _datasets_rows(source: str, suffix: str, split: str) -> list[dict[str, Any]]:
+def _datasets_rows(source: str, suffix: str, split: str, flag: str) -> list[dict[str, Any]]:
     try:
         import datasets
     except ImportError as err:
         raise ValueError(
-            f"--dataset {source}: reading this format needs the `datasets` library (pip install datasets), "
+            f"{flag} {source}: reading this format needs the `datasets` library (pip install datasets), "
             "or give a .jsonl file"
         ) from err
     if suffix in (".parquet", ".csv"):
@@ -115,8 +140,54 @@ def _datasets_rows(source: str, suffix: str, split: str) -> list[dict[str, Any]]
         if isinstance(ds, datasets.DatasetDict):
             ds = ds[split]
     else:
-        ds = datasets.load_dataset(source, split=split)
+        ds = _hub_dataset(datasets, source, split, flag)
     return list(ds)
+
+
+def _hub_reachable() -> bool:
+    """Whether the Hub endpoint answers at all (any HTTP status), through the environment's proxies."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    try:
+        urllib.request.urlopen(
+            urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=HUB_PROBE_SECONDS
+        )
+    except urllib.error.HTTPError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _offline(datasets) -> Iterator[None]:
+    """The Hub clients' offline mode for one call: cached copies only, no retries on a dead network."""
+    from huggingface_hub import constants
+
+    saved = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved
+
+
+def _hub_dataset(datasets, source: str, split: str, flag: str):
+    reachable = _hub_reachable()
+    try:
+        with contextlib.nullcontext() if reachable else _offline(datasets):
+            return datasets.load_dataset(source, split=split)
+    except Exception as err:  # datasets raises many kinds (network, name, split): one advice for all
+        why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        where = (
+            "" if reachable else " (the Hugging Face Hub cannot be reached from here and no copy is cached)"
+        )
+        raise ValueError(
+            f"{flag} {source}: the dataset could not be loaded{where}: {why}; give a local file "
+            "(.jsonl, .json, .parquet or .csv) or a save_to_disk folder"
+        ) from None
 
 
 def _prompt_ids(row: dict[str, Any], keys: Sequence[str], tokenizer, where: str) -> list[int]:
@@ -164,30 +235,52 @@ def _progress(items: Iterable, total: int, desc: str) -> Iterator:
 
 
 def read_workload(
-    rows: Sequence[dict[str, Any]],
-    group_size: int,
-    completion_length: int,
+    rows: Sequence[dict[str, Any]] | None,
+    group_size: int | None,
+    completion_length: int | None,
     prompts_per_step: int,
     tokenizer=None,
     prompt_keys: Sequence[str] = ("prompt",),
     rollouts: Sequence[dict[str, Any]] | None = None,
     vocab_size: int = 32000,
+    limit: int = 0,
 ) -> Workload:
     """The user's prompts (or logged rollouts) as optimizer steps of ``prompts_per_step`` groups.
 
+    Args:
+        rows: the prompts (unused with ``rollouts``).
+        group_size: completions per prompt; with ``rollouts``, None or every logged group's size.
+        completion_length: synthetic completions' tokens; with ``rollouts``, None or a bound every
+            logged completion keeps.
+        prompts_per_step: prompts (groups) per optimizer step.
+        tokenizer: for text and chat prompts.
+        prompt_keys: the columns a prompt is looked for in.
+        rollouts: logged rollouts: a prompt and a completion per row.
+        vocab_size: synthetic completion tokens stay below it.
+        limit: the first ``limit`` prompts (logged groups, in order of first appearance); 0: all.
+
     Raises:
-        ValueError: a row without a prompt, text without a tokenizer, a non-positive size.
+        ValueError: a row without a prompt, text without a tokenizer, a non-positive size, logged
+            groups or completions that disagree with ``group_size`` or ``completion_length``.
     """
-    for name, value in (
-        ("--num-generations", group_size),
-        ("--max-completion-length", completion_length),
-        ("--prompts-per-step", prompts_per_step),
+    for name, value, least in (
+        ("--num-generations", group_size, 1),
+        ("--max-completion-length", completion_length, 1),
+        ("--prompts-per-step", prompts_per_step, 1),
+        ("--limit", limit, 0),
     ):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+        if value is not None and value < least:
+            raise ValueError(f"{name} must be >= {least}, got {value}")
     if rollouts is not None:
-        groups = _logged_groups(rollouts, tokenizer, prompt_keys)
+        groups = _logged_groups(rollouts, tokenizer, prompt_keys, limit)
+        _check_logged(groups, group_size, completion_length)
+        groups = [(prompt, [c for c, _ in completions]) for prompt, completions in groups]
     else:
+        if rows is None or group_size is None or completion_length is None:
+            raise ValueError(
+                "synthetic completions need the prompts, --num-generations and --max-completion-length"
+            )
+        rows = rows[:limit] if limit else rows
         groups = _synthetic_groups(rows, group_size, completion_length, tokenizer, prompt_keys, vocab_size)
     steps = []
     for first in range(0, len(groups), prompts_per_step):
@@ -219,10 +312,13 @@ def _synthetic_groups(rows, group_size, completion_length, tokenizer, prompt_key
     return groups
 
 
-def _logged_groups(rollouts, tokenizer, prompt_keys):
-    by_prompt: dict[tuple[int, ...], list[list[int]]] = {}
+def _logged_groups(rollouts, tokenizer, prompt_keys, limit: int = 0):
+    """Per logged prompt (in order of first appearance), its completions with their row numbers."""
+    by_prompt: dict[tuple[int, ...], list[tuple[list[int], int]]] = {}
     for i, row in _progress(enumerate(rollouts), len(rollouts), "tokenizing rollouts"):
         prompt = tuple(_prompt_ids(row, prompt_keys, tokenizer, f"--rollouts row {i}"))
+        if limit and prompt not in by_prompt and len(by_prompt) == limit:
+            continue
         key = next((k for k in COMPLETION_KEYS if row.get(k) is not None), None)
         if key is None:
             raise ValueError(
@@ -231,8 +327,31 @@ def _logged_groups(rollouts, tokenizer, prompt_keys):
         completion = _tokens(row[key], tokenizer, f"--rollouts row {i}: {key!r}", prompt=False)
         if not completion:
             raise ValueError(f"--rollouts row {i}: the completion is empty")
-        by_prompt.setdefault(prompt, []).append(completion)
+        by_prompt.setdefault(prompt, []).append((completion, i))
     return [(list(p), cs) for p, cs in by_prompt.items()]
+
+
+def _check_logged(groups, group_size: int | None, completion_length: int | None) -> None:
+    """Refuse a ``-G`` or ``-R`` the logged rollouts contradict (they would price another workload)."""
+    if group_size is not None:
+        sizes = sorted({len(cs) for _, cs in groups})
+        if sizes != [group_size]:
+            odd = next(cs for _, cs in groups if len(cs) != group_size)
+            have = f"{sizes[0]}" if len(sizes) == 1 else f"{sizes[0]} to {sizes[-1]}"
+            raise ValueError(
+                f"--num-generations {group_size}: the logged rollouts have {have} completions per prompt "
+                f"(the prompt of --rollouts row {odd[0][1]} has {len(odd)}); drop --num-generations to "
+                "price the logged groups as they are"
+            )
+    if completion_length is not None:
+        for _, cs in groups:
+            for completion, row in cs:
+                if len(completion) > completion_length:
+                    raise ValueError(
+                        f"--max-completion-length {completion_length}: --rollouts row {row}'s completion has "
+                        f"{len(completion)} tokens; drop --max-completion-length to price the logged "
+                        "completions as they are"
+                    )
 
 
 # ---------------------------------------------------------------------------- pricing shapes
