@@ -1,8 +1,8 @@
 """Every veRL private the veRL plugin relies on, in one place.
 
 Each :class:`Private` names a function, method, field or layout fact of veRL the plugin uses,
-the version it was read from, and why; ``tests/plugins/verl/test_verl_contract.py`` checks every
-entry against the installed veRL, so an upgrade that changes one fails in one test with the
+the version it was read from, and why; ``tests/verl/test_verl_engine.py``
+(``test_verl_privates_are_where_the_plugin_expects_them``) checks every entry against the installed veRL, so an upgrade that changes one fails in one test with the
 entry's name. The accessors below are the plugin's only way into veRL's internals.
 """
 
@@ -165,6 +165,18 @@ def _vlm_patches() -> None:
     assert "torch.cat(values, dim=0)" in inspect.getsource(model.extract_multi_modal_inputs)
 
 
+def _prefix_grouper() -> None:
+    import verl.workers.engine_workers as workers
+    from verl.trainer.ppo.v1 import trainer_base
+    from verl.workers.engine.fsdp import transformer_impl
+
+    # Only veRL's legacy (v0) driver reads actor.use_prefix_grouper, to balance by uid group; its engine
+    # never applies PrefixGrouper's attention (apply_monkey_patch is called without it).
+    for module in (transformer_impl, workers, trainer_base):
+        src = inspect.getsource(module)
+        assert "prefix_grouper" not in src, module.__name__
+
+
 PRIVATES: tuple[Private, ...] = (
     Private(
         "FSDPEngine.forward_backward_batch / FSDPEngineWithLMHead.forward_step",
@@ -206,6 +218,11 @@ PRIVATES: tuple[Private, ...] = (
         _vlm_patches,
     ),
     Private("EngineRegistry.register", "forkrl's engine is registered under backend fsdp2_tree", _registry),
+    Private(
+        "actor.use_prefix_grouper reaches neither the FSDP engine, the engine workers nor the v1 trainer",
+        "accepted beside the tree as harmless (veRL's own prefix sharing would change the engine's forward)",
+        _prefix_grouper,
+    ),
     Private("verl.utils.tensordict_utils", "non-tensor batch fields (flags, normalisers)", _tensordict_utils),
     Private(
         "left_right_2_no_padding's layout fields; agg_loss's global normalisers; the row-local policy losses",

@@ -3,15 +3,21 @@
 Selected from the override YAML with ``_target_: forkrl.plugins.verl.config.ForkrlFSDPActorConfig``
 on ``actor_rollout_ref.actor`` (and ``.ref``). The ``forkrl`` block takes the same names as every
 host (:class:`forkrl.core.train.TreeOptions`: ``tree_packing``, ``tree_mode``, ``tree_block_size``,
-``tree_replay_threshold``, ``long_context_replay``, ``long_context_prompt_grad``, ``tree_balance``),
-validated when veRL builds the config; ``tree_balance: on`` with a loss whose update depends on
-the rows' grouping is refused here (:func:`forkrl.plugins.verl.balance.unsafe_reason`). With tree
-training on, the engine backend becomes forkrl's (``fsdp2_tree``); ``strategy`` itself stays
-``fsdp2``, so every other part of veRL sees its own FSDP2 actor.
+``tree_replay_threshold``, ``long_context_replay``, ``long_context_prompt_grad``, ``tree_balance``).
+With tree training on, the engine backend becomes forkrl's (``fsdp2_tree``); ``strategy`` itself
+stays ``fsdp2``, so every other part of veRL sees its own FSDP2 actor.
 
-veRL's ``validate_config`` builds only the actor's config on the driver, so the actor also carries
-the reference's block (``forkrl_ref``, an interpolation in ``include/forkrl_base.yaml``) and checks
-it there: a wrong reference key fails before Ray starts, not inside a worker.
+Every refusal the configuration alone decides fires when veRL builds and validates the config on
+the driver, before Ray starts (``verl.utils.config.validate_config`` builds the actor's config and
+calls its ``validate``): the ``forkrl`` blocks, the FSDP settings the tree does not take, veRL
+features it does not reproduce, LoRA, and a speculative config on a rollout other than vLLM.
+veRL's driver builds only the actor's config, so the actor also carries, as interpolations
+(``include/forkrl_base.yaml``), what those checks read outside its node: the reference's
+``forkrl`` block and FSDP settings (``forkrl_ref``) and the run's distillation switch
+(``forkrl_run``); ``include/forkrl_speculative_base.yaml`` adds the rollout's name
+(``forkrl_speculative_rollout``). Each error names the node the user wrote (``forkrl_node``: the
+YAML names the reference's). What only a batch decides (images, routed experts, per-sample
+temperatures) is refused by the engine at that batch, on every rank together.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from verl.workers.config import FSDPActorConfig
 
 from forkrl.core import TreeOptions
@@ -29,11 +36,18 @@ from . import announce, register
 from .balance import unsafe_reason
 from .engine import BACKEND
 
-__all__ = ["ForkrlFSDPActorConfig", "tree_options"]
+__all__ = ["ACTOR", "REF", "ForkrlFSDPActorConfig", "tree_options"]
 
 # Every veRL process that builds this config (the YAML's _target_) looks up the engine after it:
 # registering here finds forkrl's engine without an environment variable or an entry point.
 register()
+
+#: The config nodes this class is built from (named in errors).
+ACTOR = "actor_rollout_ref.actor"
+REF = "actor_rollout_ref.ref"
+
+#: The way out every refusal offers (veRL's own engine for that node).
+_OFF = "set {node}.forkrl.tree_packing=false to train that node with veRL's own engine"
 
 
 def tree_options(block: Any, where: str = "the forkrl block") -> TreeOptions:
@@ -55,46 +69,189 @@ def tree_options(block: Any, where: str = "the forkrl block") -> TreeOptions:
         raise ValueError(f"{where}: {err}") from None
 
 
+def _is_fp16(precision: Any) -> bool:
+    from verl.utils.torch_dtypes import PrecisionType
+
+    return precision is not None and PrecisionType.to_dtype(precision) == torch.float16
+
+
+def engine_refusals(node: str, *, param_offload: bool, pad_to_length: bool, param_dtype: Any) -> list[str]:
+    """What an FSDP engine config of ``node`` sets that forkrl's tree engine does not run with, each
+    as ``"<key>=<value>: <why>; <fix>"`` (empty: nothing). ``param_dtype`` is
+    ``fsdp_config.mixed_precision.param_dtype`` (None: veRL's default, bf16)."""
+    out = []
+    if param_offload:
+        out.append(
+            f"{node}.fsdp_config.param_offload=True: the tree step gathers the parameters into its own replica once "
+            "per step and is built for parameters that stay on the device; set it to false"
+        )
+    if pad_to_length:
+        out.append(
+            f"{node}.pad_to_length=True: it pads veRL's packed micro-batches to fixed shapes for veRL's kernels, and "
+            "the tree forms its own units, so it would do nothing; set it to false"
+        )
+    if _is_fp16(param_dtype):
+        out.append(
+            f"{node}.fsdp_config.mixed_precision.param_dtype={param_dtype!r}: veRL's fp16 loss scaling scales each "
+            "micro-batch's backward, which the tree's one backward per step does not reproduce; use bf16"
+        )
+    return out
+
+
+def _refuse(node: str, problems: list[str]) -> None:
+    if problems:
+        raise ValueError(
+            "forkrl's tree engine cannot run this configuration: "
+            + "; ".join(problems)
+            + f" (or {_OFF.format(node=node)})"
+        )
+
+
 @dataclass
 class ForkrlFSDPActorConfig(FSDPActorConfig):
-    """veRL's ``FSDPActorConfig`` with forkrl's tree options in ``forkrl``."""
+    """veRL's ``FSDPActorConfig`` with forkrl's tree options in ``forkrl``.
+
+    Overrides ``__post_init__`` (the node's own checks; names the engine backend) and ``validate``
+    (veRL calls it on the driver with the model config: the checks that read it); every other
+    field and check is veRL's.
+    """
 
     forkrl: dict = field(default_factory=dict)
-    #: The reference's ``forkrl`` block, on the actor only: checked where veRL builds the actor's config.
+    #: Which node of veRL's config this is, as errors name it (the YAML sets the reference's).
+    forkrl_node: str = ACTOR
+    #: On the actor only: the reference's ``forkrl`` block and FSDP settings (``forkrl``,
+    #: ``param_offload``, ``pad_to_length``, ``param_dtype``, ``use_kl_in_reward``), checked here
+    #: because veRL's driver builds only the actor's config.
     forkrl_ref: dict | None = None
+    #: On the actor only: run-wide settings the checks read (``distillation``: veRL's
+    #: ``distillation.enabled``).
+    forkrl_run: dict | None = None
+    #: Set by the speculative YAMLs: the rollout backend (``actor_rollout_ref.rollout.name``);
+    #: forkrl's drafter runs in vLLM only.
+    forkrl_speculative_rollout: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.forkrl_ref is not None:
-            tree_options(self.forkrl_ref, "actor_rollout_ref.ref.forkrl")
-        options = tree_options(self.forkrl)
-        if options.tree_enabled and self.strategy != "fsdp2":
-            raise ValueError(
-                f"forkrl's tree engine runs on veRL's FSDP2 engine; actor.strategy={self.strategy!r}: set strategy: fsdp2, "
-                "or set forkrl.tree_packing: false"
+        node = self.forkrl_node
+        options = tree_options(self.forkrl, f"{node}.forkrl")  # this node's own block first
+        ref = dict(self.forkrl_ref or {})
+        if "forkrl" in ref:
+            tree_options(ref["forkrl"], f"{REF}.forkrl")
+        self._check_speculative()
+        if options.tree_enabled:
+            self._check_tree(node, options)
+        object.__setattr__(self, "forkrl", dataclasses.asdict(options))
+        if options.tree_enabled:
+            unsafe = self._balance_unsafe()
+            note = (
+                "; veRL's use_prefix_grouper is set: it only keeps each uid group on one rank in veRL's legacy "
+                "trainer's balancing, the tree shares the prefixes"
+                if self.use_prefix_grouper
+                else ""
             )
-        if options.tree_enabled and options.tree_balance == "on" and self.ulysses_sequence_parallel_size > 1:
+            announce(
+                f"forkrl: veRL plugin active: {self.strategy} actor trains and scores on prefix trees "
+                f"({_summary(options)}){note}"
+            )
+            object.__setattr__(self.engine, "strategy", BACKEND)
+            object.__setattr__(self.engine, "forkrl", options)
+            object.__setattr__(self.engine, "forkrl_balance_unsafe", unsafe)
+
+    def validate(self, n_gpus: int, train_batch_size: int, model_config: dict | None = None) -> None:
+        """veRL's checks, then forkrl's that read the model config (veRL runs this on the driver)."""
+        super().validate(n_gpus, train_batch_size, model_config)
+        model = dict(model_config or {})
+        actor_tree = TreeOptions(**self.forkrl).tree_enabled
+        ref = dict(self.forkrl_ref or {})
+        lora = int(model.get("lora_rank") or 0) > 0
+        if actor_tree and lora:
+            raise ValueError(
+                f"forkrl's tree engine does not train LoRA policies (actor_rollout_ref.model.lora_rank={model['lora_rank']}): "
+                "under FSDP2 the tree step runs on a plain replica of the model's class, which does not carry veRL's "
+                f"PEFT wrapping (nor its adapter switch for reference log-probs); set lora_rank=0, or {_OFF.format(node=ACTOR)}"
+            )
+        if actor_tree and model.get("use_fused_kernels"):
+            raise ValueError(
+                "forkrl's tree engine cannot run with actor_rollout_ref.model.use_fused_kernels=True: veRL's fused "
+                "kernels replace the model's LM head, and the tree forms log-probs with its own head at the scored rows; "
+                f"set it to false, or {_OFF.format(node=ACTOR)}"
+            )
+        if "forkrl" not in ref or lora:  # no reference block, or the reference is the actor without adapters
+            return
+        ref_tree = tree_options(ref["forkrl"], f"{REF}.forkrl").tree_enabled
+        ref_used = bool(self.use_kl_loss or ref.get("use_kl_in_reward"))
+        if ref_tree and ref_used:
+            if model.get("use_fused_kernels"):
+                raise ValueError(
+                    "forkrl's tree engine cannot score the reference with actor_rollout_ref.model.use_fused_kernels=True "
+                    f"(veRL's fused LM head); set it to false, or {_OFF.format(node=REF)}"
+                )
+            _refuse(
+                REF,
+                engine_refusals(
+                    REF,
+                    param_offload=bool(ref.get("param_offload")),
+                    pad_to_length=bool(ref.get("pad_to_length")),
+                    param_dtype=ref.get("param_dtype"),
+                ),
+            )
+
+    # ------------------------------------------------------------------ checks
+    def _check_speculative(self) -> None:
+        rollout = self.forkrl_speculative_rollout
+        if rollout is not None and rollout != "vllm":
+            raise ValueError(
+                f"forkrl's self-speculative rollouts run in vLLM's engine; actor_rollout_ref.rollout.name={rollout!r} "
+                "would not read them (engine_kwargs.vllm) and sample without speculation: set "
+                "actor_rollout_ref.rollout.name=vllm, or use --config-name forkrl_tree for tree training without "
+                "speculative rollouts"
+            )
+
+    def _check_tree(self, node: str, options: TreeOptions) -> None:
+        if self.strategy != "fsdp2":
+            raise ValueError(
+                f"forkrl's tree engine runs on veRL's FSDP2 engine; {node}.strategy={self.strategy!r}: set strategy: fsdp2, "
+                f"or {_OFF.format(node=node)}"
+            )
+        if options.tree_balance == "on" and self.ulysses_sequence_parallel_size > 1:
             raise ValueError(
                 "forkrl.tree_balance: on moves rows between data-parallel ranks, which a Ulysses group "
                 f"(ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size}) does not do: its ranks share "
                 "each mini-batch's micro-batches instead; set forkrl.tree_balance: auto or off"
             )
-        unsafe = unsafe_reason(
-            getattr(self.policy_loss, "loss_mode", "vanilla"), self.loss_agg_mode, self.loss_scale_factor
+        problems = engine_refusals(
+            node,
+            param_offload=self.fsdp_config.param_offload,
+            pad_to_length=self.pad_to_length or self.fsdp_config.pad_to_length,
+            param_dtype=(self.fsdp_config.mixed_precision or {}).get("param_dtype"),
         )
-        if options.tree_enabled and options.tree_balance == "on" and unsafe is not None:
+        if self.use_fused_kernels:
+            problems.append(
+                "actor_rollout_ref.model.use_fused_kernels=True: veRL's fused kernels replace the model's LM head, and "
+                "the tree forms log-probs with its own head at the scored rows; set it to false"
+            )
+        if self.calculate_sum_pi_squared:
+            problems.append(
+                f"{node}.calculate_sum_pi_squared=True: the tree returns log-probs and entropies, not the sum of "
+                "squared probabilities; set it to false"
+            )
+        if (self.forkrl_run or {}).get("distillation"):
+            problems.append(
+                "distillation.enabled=True: veRL's distillation loss reads the teacher's log-probs against the "
+                "student's logits, which the tree does not form; set it to false"
+            )
+        _refuse(node, problems)
+        unsafe = self._balance_unsafe()
+        if options.tree_balance == "on" and unsafe is not None:
             raise ValueError(
                 f"forkrl.tree_balance: on would change veRL's update: {unsafe}; set forkrl.tree_balance: off "
                 "(or auto, which leaves such a loss's rows where veRL put them)"
             )
-        object.__setattr__(self, "forkrl", dataclasses.asdict(options))
-        if options.tree_enabled:
-            announce(
-                f"forkrl: veRL plugin active: {self.strategy} actor trains and scores on prefix trees ({_summary(options)})"
-            )
-            object.__setattr__(self.engine, "strategy", BACKEND)
-            object.__setattr__(self.engine, "forkrl", options)
-            object.__setattr__(self.engine, "forkrl_balance_unsafe", unsafe)
+
+    def _balance_unsafe(self) -> str | None:
+        return unsafe_reason(
+            getattr(self.policy_loss, "loss_mode", "vanilla"), self.loss_agg_mode, self.loss_scale_factor
+        )
 
 
 def _summary(options: TreeOptions) -> str:

@@ -25,6 +25,12 @@ no token types to the actor). Refused: video, other multi-modal fields, and with
 model Ulysses sequence parallelism, ``tree_mode: packed`` and ``tree_balance: on`` (``auto`` leaves
 its rows where veRL put them). Checked against stock veRL: Qwen2-VL and Qwen2.5-VL.
 
+Refusals: what the configuration decides is refused on the driver (:mod:`forkrl.plugins.verl.config`)
+and again here as a safety net; what a batch decides (images, routed experts, teacher log-probs,
+per-sample temperatures) is refused here before any pass, agreed over every rank first, so that a
+rank whose rows are refused does not leave the others waiting in the step's first collective.
+``tree_mode: auto`` reads veRL's ``model.enable_gradient_checkpointing`` (replay when it is on).
+
 With several data-parallel ranks (``forkrl.tree_balance: auto``, the default), each mini-batch's
 rows are first moved between the ranks by predicted tree cost (:mod:`forkrl.plugins.verl.balance`),
 priced by a cost model fitted to every rank's measured steps.
@@ -43,7 +49,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from forkrl.core import RowLayout, TreeOptions, TreeStep, UnsupportedModelError
 from forkrl.core.balance import OnlineCostModel, forest_stats
 from forkrl.core.executor.vision import Image, images_from
-from forkrl.core.train import share_micro_batches
+from forkrl.core.train import all_ok, share_micro_batches
 
 from . import compat
 from .balance import balance_mini_batch
@@ -82,6 +88,12 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         self._tree_options: TreeOptions = (
             options if isinstance(options, TreeOptions) else TreeOptions(tree_packing=True)
         )
+        # Before the model is built (the driver refuses it first, forkrl.plugins.verl.config).
+        if getattr(model_config, "lora_rank", 0) > 0:
+            raise ValueError(
+                f"forkrl's tree engine does not train LoRA policies (actor_rollout_ref.model.lora_rank="
+                f"{model_config.lora_rank}): set lora_rank=0, or forkrl.tree_packing=false for veRL's own engine"
+            )
         object.__setattr__(engine_config, "strategy", "fsdp2")
         super().__init__(model_config, engine_config, optimizer_config, checkpoint_config, *args, **kwargs)
         self._tree_steps: dict[float, TreeStep] = {}
@@ -93,7 +105,7 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         """veRL's method: one mini-batch's forward and backward (or forward only) over one forest."""
         if not self._tree_options.tree_enabled:
             return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
-        self._refuse(data)
+        self._refuse_on_every_rank(data)
         balanced, count = None, compat.fixed_micro_batch_count(data)
         if not forward_only and self._balancing(data):  # the mini-batch's rows over the ranks by tree cost
             group = self.get_data_parallel_group()
@@ -170,7 +182,14 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             return loss * scale if scale != 1 else loss
 
         result = step.train(
-            self.module, layouts, loss_fn, loss_gradient="general", entropy=entropy, images=images
+            self.module,
+            layouts,
+            loss_fn,
+            loss_gradient="general",
+            entropy=entropy,
+            images=images,
+            # tree_mode auto replays under veRL's checkpointing (on in its default config)
+            gradient_checkpointing=bool(self.model_config.enable_gradient_checkpointing),
         )
         keep_output = bool(compat.non_tensor(data, "return_model_output", False))
         per_row = iter(result.objective.logprobs)
@@ -228,37 +247,50 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         return not compat.non_tensor(data, "return_model_output", False)  # per-row outputs stay on their rank
 
     def _step(self, micro_batches) -> TreeStep:
-        temps = {
-            float(t) for mb in micro_batches for t in torch.as_tensor(mb["temperature"]).reshape(-1).tolist()
-        }
+        (temperature,) = _temperatures(micro_batches)  # one: checked by _refuse on every rank
+        if temperature not in self._tree_steps:
+            self._tree_steps[temperature] = TreeStep(self._tree_options, temperature=temperature)
+        return self._tree_steps[temperature]
+
+    def _refuse_on_every_rank(self, data) -> None:
+        """:meth:`_refuse`, agreed over the world group before the first collective of the step:
+        a refusal on one rank (its rows hold video, say) is raised on every rank, and nothing has
+        changed on any (no rank is left waiting in an all-reduce the refusing rank never reaches)."""
+        try:
+            self._refuse(data)
+            error = None
+        except ValueError as err:  # UnsupportedModelError included
+            error = err
+        if not all_ok(error is None, get_device_id()):
+            if error is not None:
+                raise error
+            raise ValueError(
+                "another rank refused this batch before the step (see that rank's error: forkrl's tree engine cannot "
+                "take its rows); nothing was computed or changed on any rank"
+            )
+
+    def _refuse(self, data) -> None:
+        """Raise ValueError for what forkrl's tree engine does not run, before any pass: the
+        configuration's part (refused on the driver first, :mod:`forkrl.plugins.verl.config`) and
+        what only the batch decides (images, routed experts, teacher log-probs, temperatures)."""
+        temps = _temperatures([data])
         if len(temps) != 1:
             raise ValueError(
                 f"forkrl's tree engine scores one temperature per mini-batch; this one has {sorted(temps)} per sample: "
                 "use one rollout temperature, or set forkrl.tree_packing=false"
             )
-        (temperature,) = temps
-        if temperature not in self._tree_steps:
-            self._tree_steps[temperature] = TreeStep(self._tree_options, temperature=temperature)
-        return self._tree_steps[temperature]
-
-    def _refuse(self, data) -> None:
         flags = {
             "use_fused_kernels": "the fused LM-head kernels (use_fused_kernels=false)",
             "distillation_use_topk": "top-k distillation",
             "distillation_only": "distillation",
+            "calculate_sum_pi_squared": "the sum of squared probabilities (calculate_sum_pi_squared)",
         }
         for key, what in flags.items():
             if compat.non_tensor(data, key, False):
                 raise ValueError(
                     f"forkrl's tree engine does not support {what}: turn it off or set forkrl.tree_packing=false"
                 )
-        problems = []
-        if getattr(self, "scaler", None) is not None:
-            problems.append("fp16 loss scaling (use bf16)")
-        if getattr(self, "pad_to_length", False):
-            problems.append("pad_to_length")
-        if self.is_param_offload_enabled:
-            problems.append("parameter offload")
+        problems = self._engine_settings()
         # By content: veRL's v1 agent loop writes multi_modal_inputs ({} per text row) for every run.
         if any(compat.carries(data, k) for k in ("routed_experts", "teacher_logprobs")):
             problems.append("routed experts or teacher log-probs")
@@ -271,6 +303,17 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                 f"forkrl's tree engine cannot run exactly with {', '.join(problems)}: turn it off, or set "
                 "forkrl.tree_packing=false to use veRL's own engine"
             )
+
+    def _engine_settings(self) -> list[str]:
+        """The engine's own settings the tree does not take (the driver refuses them first)."""
+        problems = []
+        if getattr(self, "scaler", None) is not None:
+            problems.append("fp16 loss scaling (use bf16)")
+        if getattr(self, "pad_to_length", False):
+            problems.append("pad_to_length")
+        if self.is_param_offload_enabled:
+            problems.append("parameter offload")
+        return problems
 
     def _refuse_vlm_setup(self) -> None:
         """A vision-language model's setups the tree does not take, decided by the model and the
@@ -297,6 +340,11 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             return
         for i, row in enumerate(compat.multi_modal_rows(data) or []):
             _row_images(row, i)  # raises for video and for fields it does not know
+
+
+def _temperatures(batches) -> set[float]:
+    """The sampling temperatures of veRL batches (a scalar field, or one per row)."""
+    return {float(t) for b in batches for t in torch.as_tensor(b["temperature"]).reshape(-1).tolist()}
 
 
 def _unwrapped(module):

@@ -73,12 +73,26 @@ def actor_config(forkrl: dict | None, precision: str = "fp32", **kw) -> ForkrlFS
 
 
 def worker(
-    path: str, actor, use_remove_padding: bool = True, lr: float = 0.05, max_token_len: int | None = None
+    path: str,
+    actor,
+    use_remove_padding: bool = True,
+    lr: float = 0.05,
+    max_token_len: int | None = None,
+    gradient_checkpointing: bool = False,
+    **model_kw,
 ):
     """A TrainingWorker built as veRL's ActorRolloutRefWorker builds its actor; the optimizer is
-    torch's SGD through veRL's own optimizer config (no clipping), so the update is the gradient's."""
+    torch's SGD through veRL's own optimizer config (no clipping), so the update is the gradient's.
+
+    ``gradient_checkpointing`` is veRL's ``model.enable_gradient_checkpointing`` (on in veRL's own
+    config; off here, so that ``tree_mode: auto`` trains in keep mode unless a test asks);
+    ``model_kw``: further ``HFModelConfig`` fields (``lora_rank``, ...)."""
     model = HFModelConfig(
-        path=path, override_config={"attn_implementation": "sdpa"}, use_remove_padding=use_remove_padding
+        path=path,
+        override_config={"attn_implementation": "sdpa"},
+        use_remove_padding=use_remove_padding,
+        enable_gradient_checkpointing=gradient_checkpointing,
+        **model_kw,
     )
     engine = actor.engine
     engine.use_dynamic_bsz = actor.use_dynamic_bsz
@@ -122,11 +136,19 @@ def agent_loop_fields(td: TensorDict, rollouts) -> TensorDict:
 
 
 def batch(
-    rollouts, seed: int = 0, kl: bool = False, is_weights: bool = False, positions: list | None = None
+    rollouts,
+    seed: int = 0,
+    kl: bool = False,
+    is_weights: bool = False,
+    positions: list | None = None,
+    response_masks: list[list[int]] | None = None,
 ) -> TensorDict:
     """The rollouts as veRL's trainer hands them to the actor (no-padding layout, response tensors).
     ``positions``: per row, its ``[4, len(p) + len(r)]`` position ids as veRL's agent loop computes
-    them for an M-RoPE model (text positions, then the three M-RoPE rows); default: text positions."""
+    them for an M-RoPE model (text positions, then the three M-RoPE rows); default: text positions.
+    ``response_masks``: per row, its agent loop's ``response_mask`` (``[len(r)]``, 0 over tool and
+    user tokens), applied as veRL's ``_agent_loop_postprocess`` applies it (the attention mask keeps
+    those tokens; the response mask, and so the loss, drops them); default: every response token."""
     g = torch.Generator().manual_seed(1000 + seed)
     B = len(rollouts)
     P = max(len(p) for p, _ in rollouts)
@@ -137,6 +159,8 @@ def batch(
         ids[b, P - len(p) : P], mask[b, P - len(p) : P] = torch.tensor(p), 1
         ids[b, P : P + len(r)], mask[b, P : P + len(r)] = torch.tensor(r), 1
     response_mask = mask[:, P:].clone()
+    for b, m in enumerate(response_masks or []):
+        response_mask[b, : len(m)] *= torch.tensor(m)
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     if positions is not None:  # [B, 4, P + R], each row's own placed at its real tokens
         position_ids = torch.zeros(B, 4, P + R, dtype=torch.long)

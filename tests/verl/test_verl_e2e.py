@@ -1,9 +1,10 @@
 """veRL end to end as users launch it: ``python -m verl.trainer.main_ppo`` with forkrl's YAML.
 
 veRL's own entry point, TaskRunner, Ray workers, TransferQueue, agent loop, reward loop, weight sync
-and checkpointing run a few GRPO steps on a tiny model; the test-only CPU stand-ins
-(:mod:`tests.e2e.cpu_host.verl_host`: a CPU platform and an HF-generate rollout in place of vLLM)
-are loaded by veRL's own ``VERL_USE_EXTERNAL_MODULES`` hook. Each run must exit 0, change the actor's
+and checkpointing run a few GRPO steps on a tiny model, launched through forkrl's CPU smoke run
+(``python -m forkrl.plugins.verl.cpu_run``: a CPU platform and an HF-generate rollout in place of
+vLLM, loaded by veRL's own ``VERL_USE_EXTERNAL_MODULES`` hook; the test adds a recorder of the
+rollouts, :mod:`tests.e2e.cpu_host.verl_host`). Each run must exit 0, change the actor's
 parameters (its saved checkpoint against the initial model) and, with forkrl, log ``tree/*`` in
 veRL's own metrics (its file logger); stock veRL runs through the same harness and logs none.
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,13 +27,6 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
 GROUP = 4
 PROMPTS_PER_STEP = 2
-
-
-def _hydra_dir() -> str:
-    out = subprocess.run(
-        [sys.executable, "-m", "forkrl.plugins.verl"], capture_output=True, text=True, check=True, cwd=ROOT
-    )
-    return out.stdout.strip()
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +73,8 @@ def _overrides(
     micro: int | None = None,
 ) -> list[str]:
     """veRL's overrides for a tiny GRPO run of ``steps`` steps of ``prompts`` prompts x ``group``
-    (training micro-batches of ``micro`` rows, default ``group``)."""
+    (training micro-batches of ``micro`` rows, default ``group``), with the reference worker on;
+    the CPU's own settings come from ``forkrl.plugins.verl.cpu_run``."""
     root = inputs["root"]
     return [
         "algorithm.adv_estimator=grpo",
@@ -89,33 +83,16 @@ def _overrides(
         f"data.train_batch_size={prompts}",
         f"data.max_prompt_length={max_prompt}",
         "data.max_response_length=16",
-        "data.dataloader_num_workers=0",
         f"actor_rollout_ref.model.path={inputs['model']}",
-        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-        "actor_rollout_ref.actor.strategy=fsdp2",
-        "actor_rollout_ref.ref.strategy=fsdp2",
         f"actor_rollout_ref.actor.optim.lr={lr}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro or group}",
         "actor_rollout_ref.actor.use_kl_loss=True",
         "actor_rollout_ref.actor.kl_loss_coef=0.01",
-        "actor_rollout_ref.actor.use_torch_compile=False",
-        "actor_rollout_ref.ref.use_torch_compile=False",
-        "actor_rollout_ref.rollout.name=hf_cpu",
         f"actor_rollout_ref.rollout.n={group}",
-        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-        "actor_rollout_ref.rollout.agent.num_workers=1",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={group}",
         f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={group}",
-        "reward.num_workers=1",
         f"reward.custom_reward_function.path={Path(__file__).with_name('e2e_reward.py')}",
-        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
-        "ray_kwargs.ray_init.num_cpus=16",
-        "+ray_kwargs.ray_init.num_gpus=1",
-        "+ray_kwargs.ray_init.address=local",  # a Ray of this run's own, never a running cluster
-        "+ray_kwargs.ray_init.include_dashboard=False",
-        "trainer.n_gpus_per_node=1",
-        "trainer.nnodes=1",
         f"trainer.total_training_steps={steps}",
         "trainer.val_before_train=False",
         "trainer.test_freq=-1",
@@ -137,27 +114,20 @@ def main_ppo(
     extra_env: dict | None = None,
     **run,
 ) -> str:
-    """veRL's own entry point in a fresh process: ``config`` names forkrl's YAML, None runs stock veRL;
-    ``run``: :func:`_overrides`' sizes, ``extra_env``: more environment variables."""
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo"]
-    if config is not None:
-        cmd += ["--config-path", _hydra_dir(), "--config-name", config]
+    """veRL's own entry point in a fresh process, launched as a user launches a CPU smoke run
+    (``python -m forkrl.plugins.verl.cpu_run``): ``config`` names forkrl's YAML, None runs stock
+    veRL; ``run``: :func:`_overrides`' sizes, ``extra_env``: more environment variables."""
+    cmd = [sys.executable, "-m", "forkrl.plugins.verl.cpu_run", "--config-name", config or "ppo_trainer"]
     cmd += [*_overrides(inputs, out, **run), *extra]
     env = clean_env(
         OMP_NUM_THREADS="1",
-        TOKENIZERS_PARALLELISM="false",
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        # after forkrl's CPU module (cpu_run puts it first): the rollout stand-in records its samples
         VERL_USE_EXTERNAL_MODULES="tests.e2e.cpu_host.verl_host",
-        VERL_PLATFORM="forkrl_cpu_ray",
-        VERL_ENGINE_DEVICE="cuda",
         VERL_FILE_LOGGER_PATH=str(out / "metrics.jsonl"),
-        HYDRA_FULL_ERROR="1",
         RAY_DEDUP_LOGS="0",
-        RAY_USAGE_STATS_ENABLED="0",
-        RAY_enable_worker_prestart="0",  # no idle workers started ahead of need on two cores
         **(extra_env or {}),
     )
-    env.pop("RAY_ADDRESS", None)
     returncode, log, seconds = run_launcher(cmd, env=env, cwd=out, timeout=timeout)
     (out / "log.txt").write_text(log)
     assert returncode == 0, f"main_ppo failed (log: {out / 'log.txt'}):\n{log[-6000:]}"
@@ -214,7 +184,8 @@ def tree_run(inputs, tmp_path_factory) -> tuple[Path, str]:
 def test_the_tree_run_trains_and_logs_tree_metrics(inputs, tree_run):
     out, log = tree_run
     logged = check_run(inputs, out, log, tree=True)
-    assert all(m["data"]["actor/tree/mode"] == 0 for m in logged)  # auto picks keep at this size
+    # veRL's gradient checkpointing is on in its default config: tree_mode auto replays
+    assert all(m["data"]["actor/tree/mode"] == 1 for m in logged)
 
 
 def test_resuming_from_a_checkpoint_equals_the_uninterrupted_run(inputs, tree_run, tmp_path):

@@ -77,6 +77,8 @@ CONFIGS = {
     "entropy-bonus": dict(entropy_coeff=0.01),
     "kl-loss": dict(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl"),
     "kl-loss-k1": dict(use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k1"),
+    # veRL's own flag, read by neither its engine nor its v1 trainer (compat._prefix_grouper)
+    "prefix-grouper": dict(use_prefix_grouper=True),
 }
 
 
@@ -100,6 +102,81 @@ def test_tree_engine_equals_stock(name, model_path):
             mt["loss"],
         )
         assert mt["tree/compression"][0] > 1.0
+        assert mt["tree/mode"][0] == 0  # auto keeps without veRL's gradient checkpointing
+
+
+def test_gradient_checkpointing_makes_auto_replay(model_path):
+    """veRL's ``model.enable_gradient_checkpointing`` (on in its default config): ``tree_mode: auto``
+    trains in replay mode (its own checkpointing), and the update is still stock's."""
+    stock = h.worker(model_path, h.actor_config(None), gradient_checkpointing=True)
+    tree = h.worker(model_path, h.actor_config({"tree_packing": True}), gradient_checkpointing=True)
+    init, logs = _train_both(stock, tree)
+    assert _relative(h.parameters(tree), h.parameters(stock), init) < TOL
+    assert all(mt["tree/mode"][0] == 1 for _, mt in logs)
+
+
+def test_lora_is_refused_before_the_model_is_built(model_path):
+    """LoRA policies are refused on the driver (``test_verl_yaml``); a worker built without the
+    driver's check refuses them when the engine is made, before any model exists."""
+    with pytest.raises(
+        ValueError, match=r"does not train LoRA policies \(actor_rollout_ref.model.lora_rank=8\)"
+    ):
+        h.worker(model_path, h.actor_config({"tree_packing": True}), lora_rank=8, lora_alpha=16)
+
+
+def _multi_turn_rollouts(seed: int = 0) -> tuple[list, list]:
+    """Two GRPO groups of tool-calling trajectories as veRL's agent loop returns them
+    (``AgentLoopOutput``: the prompt, then the model's turns interleaved with tool outputs in one
+    response, ``response_mask`` 1 on the model's tokens and 0 on the tool's), converted by its own
+    ``as_dict``. In each group two trajectories share their first call and its tool output (a
+    three-level tree), one makes two calls, one answers without a tool."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+
+    g = torch.Generator().manual_seed(seed)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(3, 250, (n,), generator=g).tolist()
+
+    rollouts, masks = [], []
+    for group in range(2):
+        prompt, call, tool = tokens(9 + group), tokens(4), tokens(5)
+        trajectories = [  # (tokens, response_mask value): the model's turns 1, the tool's 0
+            [(call, 1), (tool, 0), (tokens(3), 1)],
+            [(call, 1), (tool, 0), (tokens(5), 1)],
+            [(call, 1), (tokens(4), 0), (tokens(3), 1), (tokens(4), 0), (tokens(2), 1)],
+            [(tokens(6), 1)],
+        ]
+        for turns in trajectories:
+            out = AgentLoopOutput(
+                prompt_ids=prompt,
+                response_ids=[t for seg, _ in turns for t in seg],
+                response_mask=[m for seg, m in turns for _ in seg],
+                num_turns=1 + len(turns),
+                metrics=AgentLoopMetrics(),
+            ).as_dict()
+            rollouts.append((out["prompts"].tolist(), out["responses"].tolist()))
+            masks.append(out["response_mask"].tolist())
+    return rollouts, masks
+
+
+def test_multi_turn_tool_trajectories_equal_stock(model_path):
+    """veRL's multi-turn agent loop's rows (tool outputs inside the response, masked out of the
+    loss): old log-probs and two updates with the KL loss equal stock's, and the tree shares the
+    trajectories' common turns."""
+    actor = dict(use_kl_loss=True, kl_loss_coef=0.1)
+    stock, tree = _pair(model_path, **actor)
+    init = h.parameters(stock)
+    for step in range(2):
+        rollouts, masks = _multi_turn_rollouts(step)
+        assert any(0 in m for m in masks)
+        td = h.batch(rollouts, seed=step, kl=True, response_masks=masks)
+        lp_s, _, _ = h.log_probs(stock, td)
+        lp_t, _, _ = h.log_probs(tree, td)
+        torch.testing.assert_close(lp_t, lp_s, rtol=1e-5, atol=2e-6)
+        ms, mt = h.update(stock, td, 8, True), h.update(tree, td, 8, True)
+        assert math.isclose(ms["loss"][0], mt["loss"][0], rel_tol=1e-4, abs_tol=1e-6)
+        assert mt["tree/compression"][0] > 1.0
+    assert _relative(h.parameters(tree), h.parameters(stock), init) < TOL
 
 
 def test_text_rows_of_the_v1_agent_loop_train_and_score(model_path):

@@ -98,3 +98,58 @@ def test_two_ranks_equal_stock(tmp_path, balances, shape):
         assert sum(first) == 16 and first[0] != first[1], counts
     else:
         assert counts["off"] == ["-", "-"], counts
+
+
+_VIDEO_SCRIPT = r"""
+import sys
+sys.path.insert(0, {root!r})
+import torch, torch.distributed as dist
+from tests.verl import harness as h
+from forkrl.core.testing.ranks import finish, report
+rank = dist.get_rank()
+tree = h.worker(sys.argv[1], h.actor_config({{"tree_packing": True}}, ppo_mini_batch_size=16))
+rollouts = h.rows(seed=rank)
+clean = h.agent_loop_fields(h.batch(rollouts, seed=rank), rollouts)
+td = clean.clone()
+if rank == 0:  # one row of one rank carries video
+    from verl.utils import tensordict_utils as tu
+    rows = [{{}} for _ in rollouts]
+    rows[3] = {{"pixel_values_videos": torch.zeros(16, 1176), "video_grid_thw": torch.tensor([[1, 4, 4]])}}
+    tu.assign_non_tensor_stack(td, "multi_modal_inputs", rows)
+before = h.parameters(tree)
+try:
+    h.update(tree, td, 16, True)
+    error = "none"
+except ValueError as err:
+    error = str(err).split(":")[0].replace(" ", "_")
+after = h.parameters(tree)
+unchanged = all(torch.equal(after[n], before[n]) for n in before)
+no_grad = all(p.grad is None or not p.grad.any() for p in tree.engine.module.parameters())
+h.update(tree, clean, 16, True)  # the ranks are still in step: the next batch trains on both
+moved = max((h.parameters(tree)[n] - before[n]).abs().max().item() for n in before)
+report(f"RANK {{rank}} ERROR {{error}} UNCHANGED {{unchanged and no_grad}} MOVED {{moved:.3e}}")
+finish()
+"""
+
+
+def test_a_refusal_on_one_rank_stops_every_rank(tmp_path):
+    """Video in one rank's rows (a vision-language model, two gloo ranks): that rank refuses it and
+    the other learns of it and raises too, before the step's first collective, nothing changed on
+    either (without the agreement the other rank waits in veRL's token all-reduce for ever); both
+    then train the next batch. Bounded by the run's timeout."""
+    from forkrl.core.testing.vision import qwen_vl_model, qwen_vl_processor
+
+    processor = qwen_vl_processor()
+    model = qwen_vl_model(processor.tokenizer, tie_word_embeddings=False)
+    model.save_pretrained(tmp_path / "model")
+    processor.tokenizer.save_pretrained(tmp_path / "model")
+    script = tmp_path / "video.py"
+    script.write_text(_VIDEO_SCRIPT.format(root=str(ROOT)))
+    lines = rank_lines(torchrun(script, str(tmp_path / "model"), cwd=ROOT, timeout=300).stdout)
+    assert sorted(line.split()[:4] for line in lines) == [
+        ["RANK", "0", "ERROR", "row_3_carries_video_(pixel_values_videos,_video_grid_thw)"],
+        ["RANK", "1", "ERROR", "another_rank_refused_this_batch_before_the_step_(see_that_rank's_error"],
+    ], lines
+    for line in lines:
+        fields = line.split()
+        assert fields[5] == "True" and float(fields[7]) > 0, line

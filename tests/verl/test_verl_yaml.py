@@ -221,7 +221,8 @@ def test_the_plugin_announces_itself_once_per_process_at_verls_log_level():
         "root, verl_level = logging.getLogger().level, logging.getLogger('verl').level\n"
         "h.actor_config(None)\n"
         "print('STOCK-BUILT', flush=True)\n"
-        "h.actor_config({'tree_packing': True}); h.actor_config({'tree_packing': True, 'tree_mode': 'replay'})\n"
+        "h.actor_config({'tree_packing': True}, use_prefix_grouper=True)\n"
+        "h.actor_config({'tree_packing': True, 'tree_mode': 'replay'})\n"
         "assert (logging.getLogger().level, logging.getLogger('verl').level) == (root, verl_level)\n"
     )
     env = {
@@ -231,6 +232,8 @@ def test_the_plugin_announces_itself_once_per_process_at_verls_log_level():
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stderr.count("forkrl: veRL plugin active") == 1, out.stderr[-3000:]
     assert "fsdp2 actor trains and scores on prefix trees (tree_packing=True)" in out.stderr
+    # veRL's own prefix sharing flag, set beside the tree, gets a word (it does not reach veRL's engine)
+    assert "veRL's use_prefix_grouper is set" in out.stderr
 
 
 def test_the_module_prints_the_config_dir():
@@ -294,3 +297,153 @@ def test_the_readme_command_composes_and_passes_verl_validation():
     assert cfg.actor_rollout_ref.rollout.n == 8 and cfg.algorithm.adv_estimator == "grpo"
     actor, ref = _build(cfg)
     assert actor.engine.forkrl.tree_enabled and ref.engine.forkrl.tree_enabled
+
+
+def _validate(cfg) -> None:
+    """veRL's driver-side check, as ``main_ppo.main`` runs it before ``ray.init``."""
+    from verl.trainer.main_ppo import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+
+
+#: Each setting forkrl's tree engine does not take, as a user writes it, and what the driver's
+#: error must name (the block the user wrote and the way out).
+REFUSED = {
+    "actor param offload": (
+        ["actor_rollout_ref.actor.fsdp_config.param_offload=true"],
+        r"actor_rollout_ref\.actor\.fsdp_config\.param_offload=True.*set it to false.*"
+        r"actor_rollout_ref\.actor\.forkrl\.tree_packing=false",
+    ),
+    "reference param offload": (
+        ["actor_rollout_ref.ref.fsdp_config.param_offload=true"],
+        r"actor_rollout_ref\.ref\.fsdp_config\.param_offload=True.*actor_rollout_ref\.ref\.forkrl\.tree_packing=false",
+    ),
+    "fp16": (
+        [
+            "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp16,reduce_dtype:fp32,buffer_dtype:fp32}"
+        ],
+        r"actor_rollout_ref\.actor\.fsdp_config\.mixed_precision\.param_dtype='fp16'.*use bf16",
+    ),
+    "reference fp16": (
+        ["+actor_rollout_ref.ref.fsdp_config.mixed_precision={param_dtype:fp16}"],
+        r"actor_rollout_ref\.ref\.fsdp_config\.mixed_precision\.param_dtype='fp16'",
+    ),
+    "pad_to_length": (
+        ["actor_rollout_ref.actor.pad_to_length=true"],
+        r"actor_rollout_ref\.actor\.pad_to_length=True.*set it to false",
+    ),
+    "reference pad_to_length": (
+        ["actor_rollout_ref.ref.pad_to_length=true"],
+        r"actor_rollout_ref\.ref\.pad_to_length=True",
+    ),
+    "fused kernels": (
+        ["actor_rollout_ref.model.use_fused_kernels=true"],
+        r"actor_rollout_ref\.model\.use_fused_kernels=True.*set it to false",
+    ),
+    "distillation": (["distillation.enabled=true"], r"distillation\.enabled=True.*set it to false"),
+    "sum of squared probabilities": (
+        ["actor_rollout_ref.actor.calculate_sum_pi_squared=true"],
+        r"actor_rollout_ref\.actor\.calculate_sum_pi_squared=True",
+    ),
+    "LoRA": (
+        # veRL's own LoRA check reads the rollout's name (vLLM's would import vLLM)
+        ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.rollout.name=sglang"],
+        r"does not train LoRA policies \(actor_rollout_ref\.model\.lora_rank=8\).*set lora_rank=0, or set "
+        r"actor_rollout_ref\.actor\.forkrl\.tree_packing=false",
+    ),
+    "FSDP1": (
+        ["actor_rollout_ref.actor.strategy=fsdp"],
+        r"actor_rollout_ref\.actor\.strategy='fsdp': set strategy: fsdp2",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_settings_the_tree_does_not_take_are_refused_on_the_driver(case, model_path):
+    """Refused when veRL validates the config (``main_ppo.main``, before ``ray.init``), naming the
+    block the user wrote; the same config with forkrl's engine off for that block passes."""
+    overrides, match = REFUSED[case]
+    with pytest.raises(Exception, match=match):  # Hydra wraps the config's ValueError
+        _validate(_compose("forkrl_tree", model_path, overrides))
+    side = "ref" if "reference" in case else "actor"
+    _validate(
+        _compose(
+            "forkrl_tree", model_path, [*overrides, f"actor_rollout_ref.{side}.forkrl.tree_packing=false"]
+        )
+    )
+
+
+def test_reference_settings_count_only_where_a_reference_runs(model_path):
+    """veRL builds no reference without a KL term (and uses the actor without adapters under LoRA):
+    its FSDP settings are then not forkrl's business."""
+    offload = ["actor_rollout_ref.ref.fsdp_config.param_offload=true"]
+    _validate(_compose("forkrl_tree", model_path, [*offload, "actor_rollout_ref.actor.use_kl_loss=false"]))
+    with pytest.raises(Exception, match=r"actor_rollout_ref\.ref\.fsdp_config\.param_offload"):
+        _validate(
+            _compose(
+                "forkrl_tree",
+                model_path,
+                [*offload, "actor_rollout_ref.actor.use_kl_loss=false", "algorithm.use_kl_in_reward=true"],
+            )
+        )
+
+
+def test_a_wrong_actor_value_is_named_under_the_actor(model_path):
+    """The reference inherits the actor's keys: a bad actor value is reported under the block the
+    user wrote, not under the reference that copied it."""
+    cfg = _compose("forkrl_tree", model_path, ["actor_rollout_ref.actor.forkrl.tree_mode=kepp"])
+    with pytest.raises(
+        Exception, match=r"actor_rollout_ref\.actor\.forkrl: tree_mode='kepp' is not one of"
+    ) as err:
+        _validate(cfg)
+    assert "actor_rollout_ref.ref" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["forkrl_speculative", "forkrl_tree_speculative"])
+def test_speculative_rollouts_on_another_rollout_are_refused_on_the_driver(name, model_path):
+    cfg = _compose(name, model_path, ["actor_rollout_ref.rollout.name=sglang"])
+    with pytest.raises(
+        Exception,
+        match=r"actor_rollout_ref\.rollout\.name='sglang'.*set actor_rollout_ref\.rollout\.name=vllm",
+    ):
+        _validate(cfg)
+
+
+def test_verls_prefix_grouper_beside_the_tree_passes_validation(model_path):
+    """veRL 0.9.1's ``use_prefix_grouper`` does not reach its engine (the contract test
+    ``compat._prefix_grouper`` checks that), so it is accepted beside the tree; the update equals
+    stock's with it set (``test_verl_engine``)."""
+    cfg = _compose("forkrl_tree", model_path, ["actor_rollout_ref.actor.use_prefix_grouper=true"])
+    _validate(cfg)
+    actor, _ = _build(cfg)
+    assert actor.use_prefix_grouper and actor.engine.forkrl.tree_enabled
+
+
+@pytest.mark.parametrize("name", ["forkrl_tree", "ppo_trainer"])
+def test_the_cpu_run_command_composes_and_passes_verl_validation(name, model_path, tmp_path):
+    """``python -m forkrl.plugins.verl.cpu_run`` (docs/cpu.md): its command line is veRL's main_ppo
+    with the CPU's settings and smoke sizes, a key the user passes replaces ours, and Hydra composes
+    it from forkrl's folder (``ppo_trainer``: veRL's own) into a config veRL's driver accepts."""
+    import verl.trainer.config
+
+    from forkrl.plugins.verl import cpu_run
+
+    data = [f"data.train_files={tmp_path / 'train.parquet'}", f"data.val_files={tmp_path / 'val.parquet'}"]
+    cmd = cpu_run.command(
+        name, [*data, f"actor_rollout_ref.model.path={model_path}", "data.train_batch_size=4"]
+    )
+    assert cmd[1:3] == ["-m", "verl.trainer.main_ppo"]
+    assert ("--config-path" in cmd) == (name != "ppo_trainer")
+    assert "data.train_batch_size=2" not in cmd and cmd[-1] == "data.train_batch_size=4"
+    overrides = cmd[cmd.index("--config-name") + 2 :]
+    folder = str(CONFIG_DIR) if name != "ppo_trainer" else os.path.dirname(verl.trainer.config.__file__)
+    with initialize_config_dir(config_dir=folder, version_base=None):
+        cfg = compose(config_name=name, overrides=overrides)
+    _validate(cfg)
+    assert cfg.actor_rollout_ref.rollout.name == cpu_run.ROLLOUT and cfg.data.train_batch_size == 4
+    with pytest.raises(ValueError, match="drafts inside vLLM's engine"):
+        cpu_run.command("forkrl_tree_speculative")
+    env = cpu_run.environment({"VERL_USE_EXTERNAL_MODULES": "my_platform", "RAY_ADDRESS": "auto"})
+    assert env["VERL_USE_EXTERNAL_MODULES"] == f"{cpu_run.HOST_MODULE},my_platform"
+    assert env["VERL_PLATFORM"] == "forkrl_cpu" and "RAY_ADDRESS" not in env
