@@ -53,13 +53,12 @@ class TreePolicyModelActor(_HostPolicy.__ray_actor_class__):
             return super().forward(
                 sequences, action_mask, attention_mask, packed_seq_lens, mm_train_inputs_list
             )
-        device = next(module.parameters()).device
-        return score_log_probs(
+        return score_log_probs(  # the rows as Ray delivered them: planned on the host
             tree,
             module,
-            sequences.to(device),
-            action_mask.to(device),
-            attention_mask.to(device),
+            sequences,
+            action_mask,
+            attention_mask,
             images=_images(self.actor, mm_train_inputs_list, sequences.shape[0]),
         )
 
@@ -92,13 +91,12 @@ class TreeReferenceModelActor(_HostReference.__ray_actor_class__):
             return super().forward(
                 sequences, action_mask, attention_mask, return_output, packed_seq_lens, mm_train_inputs_list
             )
-        device = next(module.parameters()).device
-        return score_log_probs(
+        return score_log_probs(  # the rows as Ray delivered them: planned on the host
             tree,
             module,
-            sequences.to(device),
-            action_mask.to(device),
-            attention_mask.to(device),
+            sequences,
+            action_mask,
+            attention_mask,
             images=_images(self.model, mm_train_inputs_list, sequences.shape[0]),
         )
 

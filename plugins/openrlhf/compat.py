@@ -72,6 +72,12 @@ SWAPS: tuple[tuple[str, str, str], ...] = (
         "worker: ActorPPOTrainer.ppo_train groups micro-batches into optimizer-step windows with it",
     ),
     (
+        "openrlhf.trainer.ray",
+        "create_vllm_engines",
+        "driver (the CPU run, forkrl.plugins.openrlhf.cpu_run): train_ppo_ray imports it at module level to build "
+        "the vLLM engines; the CPU rollout's create_engines takes its arguments",
+    ),
+    (
         "openrlhf.trainer.ray.vllm_engine",
         "RolloutRayActor",
         "driver (--forkrl.speculative_rollout): create_vllm_engines builds each engine with "
@@ -268,6 +274,34 @@ def _ring() -> None:
     assert "if RING_ATTN_SWITCH" in inspect.getsource(hf_adapter.substitute_hf_flash_attn)
 
 
+def _cpu_run() -> None:
+    import importlib
+
+    from openrlhf.trainer.ray import vllm_engine
+    from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+
+    # The CPU rollout's create_engines takes create_vllm_engines's arguments, as train() passes them.
+    assert parameter_names(vllm_engine.create_vllm_engines)[:4] == [
+        "num_engines",
+        "tensor_parallel_size",
+        "pretrain",
+        "seed",
+    ]
+    for name in ("agent_func_path", "remote_rm_url", "max_images_per_prompt"):
+        assert name in parameter_names(vllm_engine.create_vllm_engines), name
+    # The workers' patches (forkrl.plugins.openrlhf.cpu_patches, cpu_rollout) replace these.
+    mesh = importlib.import_module("openrlhf.utils.deepspeed.deepspeed")
+    setup = inspect.getsource(mesh.DeepspeedStrategy.setup_distributed)
+    assert callable(mesh.init_device_mesh) and "self.ds_device_mesh = init_device_mesh(" in setup
+    assert "max_norm" in parameter_names(mesh.DeepspeedStrategy.get_ds_train_config)
+    buffer = importlib.import_module("openrlhf.trainer.ppo_utils.replay_buffer").NaiveReplayBuffer
+    assert 'self.target_device = torch.device(f"cuda:{torch.cuda.current_device()}")' in inspect.getsource(
+        buffer.__init__
+    )
+    assert "self._init_vllm_sync_group(backend)" in inspect.getsource(ActorPPOTrainer.__init__)
+    assert parameter_names(ActorPPOTrainer.broadcast_to_vllm) == ["self"]
+
+
 def _vlm() -> None:
     from openrlhf.models import Actor
     from openrlhf.trainer.ppo_utils.experience import Experience
@@ -310,6 +344,12 @@ PRIVATES: tuple[Private, ...] = (
         "the ring-attention group (get_ring_attn_group) and ring_flash_attn's switch (use_ring_attn), which "
         "the tree turns off inside its passes",
         _ring,
+    ),
+    Private(
+        "cpu_run",
+        "the CPU run's stand-ins: create_vllm_engines's arguments, and the device mesh, DeepSpeed config, replay "
+        "buffer device and vLLM weight sync its worker patches replace",
+        _cpu_run,
     ),
     Private(
         "vlm",

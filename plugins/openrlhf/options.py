@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,12 +27,16 @@ __all__ = [
     "FLAGS",
     "FLAG_OVERRIDES",
     "FLAG_PREFIX",
+    "MODEL_FLAGS",
+    "NOT_TAKEN",
     "PROG",
     "ForkrlOptions",
     "balance_setting",
     "check_host_args",
+    "check_model_paths",
     "check_vlm_args",
     "flag_parser",
+    "missing_model",
     "options_from",
     "parse_flags",
 ]
@@ -39,11 +44,19 @@ __all__ = [
 FLAG_PREFIX = "--forkrl."
 #: The launcher's name in its usage and error lines.
 PROG = "python -m forkrl.plugins.openrlhf.train_ppo_ray"
-#: The options OpenRLHF takes: all but ``speculative_margin``, which only the 'auto' policy reads.
+#: Options core defines that OpenRLHF's launcher does not take, and why (the usage error says it).
+#: ``speculative_margin`` is read only by the 'auto' speculation policy, which cannot run here (see
+#: ``speculative_policy`` below): vLLM's draft length is fixed when OpenRLHF builds its engines.
+NOT_TAKEN: dict[str, str] = {
+    "speculative_margin": "it is read only by the 'auto' speculation policy, which OpenRLHF's launcher cannot run "
+    "(forkrl would have to time the policy model before vLLM starts, and OpenRLHF starts its engines before any "
+    "policy model exists); drop it: speculation here is 'always', its draft length --forkrl.speculative_draft_len",
+}
+#: The options OpenRLHF takes: all of core's but :data:`NOT_TAKEN`.
 FLAGS: tuple[str, ...] = tuple(
     f.name
     for f in dataclasses.fields(TreeOptions) + dataclasses.fields(SpeculativeOptions)
-    if f.name != "speculative_margin"
+    if f.name not in NOT_TAKEN
 )
 #: What OpenRLHF's launcher documents differently from core: one speculation policy.
 FLAG_OVERRIDES: dict[str, dict[str, Any]] = {
@@ -88,6 +101,10 @@ def parse_flags(argv: Sequence[str]) -> tuple[ForkrlOptions, list[str]]:
     parser = flag_parser()
     namespace, rest = parser.parse_known_args(list(argv))
     unknown = [arg.split("=", 1)[0] for arg in rest if arg.startswith(FLAG_PREFIX)]
+    for flag in unknown:
+        name = flag[len(FLAG_PREFIX) :]
+        if name in NOT_TAKEN:
+            parser.error(f"{flag} is not taken by OpenRLHF's launcher: {NOT_TAKEN[name]}")
     if unknown:
         names = ", ".join(FLAG_PREFIX + name for name in FLAGS)
         parser.error(f"unknown forkrl flag {unknown[0]}: forkrl's flags are {names}")
@@ -186,6 +203,46 @@ def check_host_args(args: Any, options: ForkrlOptions) -> None:
     for refused, why in refusals:
         if refused:
             raise ValueError(f"{flag}: {why}; or train without {flag}")
+
+
+#: OpenRLHF's flags that name a model to load (a folder or a Hugging Face hub id; the reward's may
+#: list several, comma-separated).
+MODEL_FLAGS = ("actor.model_name_or_path", "critic.model_name_or_path", "reward.model_name_or_path")
+
+
+def missing_model(name: str) -> bool:
+    """Whether ``name`` is a local path that does not exist: not a folder or file here, and not a
+    hub id either (absolute, relative with ``.``/``~``, or more than ``namespace/name``), so that
+    loading it could only fail, and only after Ray and the actors have started."""
+    if Path(name).expanduser().exists():
+        return False
+    if name.startswith(("/", ".", "~")) or "\\" in name:
+        return True
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return True
+    return False
+
+
+def check_model_paths(args: Any) -> None:
+    """Refuse a model flag whose value is a local path that does not exist (:func:`missing_model`),
+    before Ray starts; a hub id is left to Hugging Face (it may be downloaded or cached).
+
+    Raises:
+        ValueError: naming the flag and the path.
+    """
+    for path in MODEL_FLAGS:
+        value = _get(args, path)
+        for name in str(value).split(",") if value else ():
+            if missing_model(name.strip()):
+                raise ValueError(
+                    f"--{path} {name.strip()!r}: no such model folder or hub id (the path does not exist here, "
+                    f"and a Hugging Face hub id is 'name' or 'namespace/name'): pass the folder that holds the "
+                    f"model's config.json, or a hub id"
+                )
 
 
 def check_vlm_args(args: Any, options: ForkrlOptions) -> None:

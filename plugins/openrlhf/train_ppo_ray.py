@@ -4,12 +4,13 @@
         [--forkrl.tree_mode auto|keep|replay|packed] [--forkrl.long_context_replay] ...
 
 forkrl's ``--forkrl.*`` flags are taken off the command line and checked (an unknown flag, a bad
-value, contradictory options or an OpenRLHF setting the tree cannot make exact is an error here,
-before Ray starts); the rest is OpenRLHF's, parsed and validated by OpenRLHF's own ``__main__``,
-run unchanged with ``runpy``. Three module-level names are swapped while it runs (listed in
-:data:`forkrl.plugins.openrlhf.compat.SWAPS`): the policy and reference actor classes (forkrl's, in
-:mod:`forkrl.plugins.openrlhf.actors`, so every Ray worker builds them), and ``hierarchize``, whose
-result gets forkrl's options as ``args.forkrl`` (they reach every actor through ``strategy.args``).
+value, contradictory options, an OpenRLHF setting the tree cannot make exact or a model flag naming
+a local path that does not exist is an error here, before Ray starts); the rest is OpenRLHF's,
+parsed and validated by OpenRLHF's own ``__main__``, run unchanged with ``runpy``. Three
+module-level names are swapped while it runs (listed in :data:`forkrl.plugins.openrlhf.compat.SWAPS`):
+the policy and reference actor classes (forkrl's, in :mod:`forkrl.plugins.openrlhf.actors`, so
+every Ray worker builds them), and ``hierarchize``, whose result gets forkrl's options as
+``args.forkrl`` (they reach every actor through ``strategy.args``).
 
 ``--help`` prints forkrl's flags, then OpenRLHF's.
 """
@@ -23,9 +24,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import compat
-from .options import PROG, ForkrlOptions, attach, check_host_args, flag_parser, parse_flags
+from .options import PROG, ForkrlOptions, attach, check_host_args, check_model_paths, flag_parser, parse_flags
 
-__all__ = ["HOST_MODULE", "main", "parse_args"]
+__all__ = ["HOST_MODULE", "main", "parse_args", "run_host"]
 
 HOST_MODULE = "openrlhf.cli.train_ppo_ray"
 
@@ -44,6 +45,7 @@ def _hierarchize_with(options: ForkrlOptions):
     def hierarchize(args):
         args = attach(host(args), options)
         try:
+            check_model_paths(args)
             check_host_args(args, options)
         except ValueError as err:
             raise SystemExit(f"{PROG}: error: {err}") from None
@@ -52,7 +54,8 @@ def _hierarchize_with(options: ForkrlOptions):
     return hierarchize
 
 
-def _run_host(argv: Sequence[str]) -> None:
+def run_host(argv: Sequence[str]) -> None:
+    """Run OpenRLHF's own ``train_ppo_ray`` as ``__main__`` with the command line ``argv``, as is."""
     saved = sys.argv
     sys.argv = [HOST_MODULE.replace(".", "/") + ".py", *argv]
     sys.modules.pop(HOST_MODULE, None)  # imported as a module (e.g. by compat.check): run a fresh __main__
@@ -84,7 +87,7 @@ def parse_args(argv: Sequence[str]) -> Any:
             compat.swapped(openrlhf.utils, get_strategy=stop),
             compat.swapped(ray, is_initialized=lambda: True),
         ):
-            _run_host(rest)
+            run_host(rest)
     except _Parsed as parsed:
         return parsed.parsed
     raise RuntimeError(f"{HOST_MODULE} finished without reaching train(args)")
@@ -96,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if "-h" in argv or "--help" in argv:
         print(flag_parser().format_help())
         print("OpenRLHF's flags (python -m openrlhf.cli.train_ppo_ray --help):\n")
-        _run_host(["--help"])
+        run_host(["--help"])
         return
     options, rest = parse_flags(argv)
     from . import actors
@@ -116,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
             engine = SpeculativeRolloutActor(vllm_engine.RolloutRayActor, options)
             stack.enter_context(compat.swapped(vllm_engine, RolloutRayActor=engine))
-        _run_host(rest)
+        run_host(rest)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,8 @@ all ranks, and stock's ring ranks each hold ``R`` times their slice's gradient (
 all-gather reduce-scatters its gradient), so the update is stock's for any loss: each micro-batch
 keeps its rows and normalisers. A window with fewer micro-batches than ``R`` runs whole on every rank.
 
-Old-policy and reference log-probs go through :func:`score_log_probs` (prefix-shared, no grad).
+Old-policy and reference log-probs go through :func:`score_log_probs` (prefix-shared, no grad; under
+ring attention each rank of the group scores its share of the rows, :func:`ring_share`).
 
 A vision-language actor (``Actor.is_vlm``: the Qwen-VL family, LLaVA, LLaVA-NeXT, Gemma 3) trains
 and scores with its images on the tree: each sample's ``Experience.mm_train_inputs`` (its processor's
@@ -68,7 +69,7 @@ from . import compat
 from .balance import balance_window
 from .options import balance_setting, check_host_args, check_vlm_args, options_from
 
-__all__ = ["TreeActorPPOTrainer", "row_images", "score_log_probs", "tree_module"]
+__all__ = ["TreeActorPPOTrainer", "ring_share", "row_images", "score_log_probs", "tree_module"]
 
 #: Keys of a sample's ``mm_train_inputs`` the tree takes as images: the Qwen-VL family's
 #: ``pixel_values`` ``[patches, d]`` and ``image_grid_thw`` ``[images, 3]``; LLaVA's ``pixel_values``
@@ -142,6 +143,37 @@ def row_images(mm_train_inputs: Sequence | None, rows: int) -> list[list[Image]]
     return [_sample_images(i, sample) if sample else [] for i, sample in enumerate(samples)]
 
 
+def ring_share(
+    sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int, size: int, rank: int
+) -> list[int] | None:
+    """The rows rank ``rank`` of a ring-attention group of ``size`` scores, when the group's ranks,
+    which all receive the same batch, divide it instead of each scoring all of it.
+
+    Rows that share a prompt stay together where there are at least ``size`` prompts (the
+    experience maker keeps a prompt's samples contiguous: a group is a run of equal prompts);
+    prompts, or else rows, go to the ranks in contiguous runs cut by token count
+    (:func:`~forkrl.core.train.share_micro_batches`).
+
+    Args:
+        sequences: ``[B, T]`` token ids and ``attention_mask`` ``[B, T]``, on the host; the last
+            ``num_actions`` columns are the responses.
+
+    Returns:
+        Row indices, or None when the batch has fewer rows than ranks (every rank scores all).
+    """
+    prompts = (sequences * attention_mask)[:, : sequences.shape[1] - num_actions]
+    tokens = attention_mask.sum(-1).tolist()
+    runs: list[list[int]] = []
+    for i in range(len(tokens)):
+        if runs and torch.equal(prompts[i], prompts[runs[-1][0]]):
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    units = runs if len(runs) >= size else [[i] for i in range(len(tokens))]
+    picked = share_micro_batches([sum(tokens[i] for i in unit) for unit in units], size, rank)
+    return None if picked is None else [i for u in picked for i in units[u]]
+
+
 @torch.no_grad()
 def score_log_probs(
     tree: TreeStep,
@@ -154,18 +186,38 @@ def score_log_probs(
     """``Actor.forward``'s action log-probs, prefix-shared: ``[B, num_actions]``, zero where
     ``action_mask`` is 0, on the CPU (as OpenRLHF's actors return them).
 
+    Under ring attention every rank of a ring group receives the same batch (OpenRLHF splits each
+    sequence over the group and all-gathers the log-probs; the experience maker reads the group's
+    first rank): here each rank scores its share of the rows (:func:`ring_share`) and the group
+    sums the shares, each row nonzero on one rank only, so every rank returns the whole batch.
+
     Args:
-        sequences: ``[B, T]`` token ids; ``attention_mask`` ``[B, T]``; ``action_mask`` ``[B, num_actions]``.
+        sequences: ``[B, T]`` token ids; ``attention_mask`` ``[B, T]``; ``action_mask`` ``[B, num_actions]``
+            (on the host, as OpenRLHF's actors receive them, or on the model's device).
         images: per row, its images (a vision-language model, :func:`row_images`), or None.
     """
-    layout = _layout(sequences, action_mask, attention_mask)
+    ring = compat.ring_group()
+    rows = None
+    if ring is not None and images is None:  # a vision-language actor is refused under ring attention
+        size, rank = dist.get_world_size(ring), dist.get_rank(ring)
+        rows = ring_share(sequences.cpu(), attention_mask.cpu(), int(action_mask.shape[1]), size, rank)
+    if rows is not None:
+        mine = tuple(t[torch.tensor(rows, device=t.device)] for t in (sequences, action_mask, attention_mask))
+    else:
+        mine = (sequences, action_mask, attention_mask)
+    layout = _layout(*mine)
     was_training = module.training
     module.eval()
     try:
-        with compat.ring_attention_off():  # every rank of a ring group scores the whole batch
+        with compat.ring_attention_off():  # the tree computes whole sequences on each rank
             logps, _ = tree.score(module, layout, images=images)
     finally:
         module.train(was_training)
+    if rows is not None:
+        whole = logps.new_zeros(action_mask.shape)
+        whole[torch.tensor(rows, device=logps.device)] = logps
+        dist.all_reduce(whole, group=ring)  # x + 0 is x: the sum is each row's own log-probs
+        logps = whole
     return (logps * action_mask.to(logps.device).float()).cpu()
 
 

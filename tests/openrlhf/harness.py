@@ -71,6 +71,24 @@ def save_model(path) -> str:
     return save_pretrained(byte_llama(0), byte_tokenizer(), path)
 
 
+def lora_model(path: str, args, seed: int = 7) -> torch.nn.Module:
+    """The model at ``path`` wrapped for LoRA as OpenRLHF's ``PolicyModelActor`` has ``Actor`` wrap it
+    (``--ds.lora.rank/alpha/target_modules/dropout``: peft's ``get_peft_model`` inside ``Actor``), its
+    adapters initialised from ``seed``; float32 (``Actor`` loads in ``--ds.param_dtype``, bf16 or fp16)."""
+    torch.manual_seed(seed)
+    lora = args.ds.lora
+    actor = Actor(
+        path,
+        attn_implementation="sdpa",
+        param_dtype=args.ds.param_dtype,
+        lora_rank=lora.rank,
+        lora_alpha=lora.alpha,
+        target_modules=lora.target_modules,
+        lora_dropout=lora.dropout,
+    )
+    return actor.model.float()
+
+
 def command(model_path: str, *extra: str, micro_batch: int = 2, batch: int = 8) -> list[str]:
     """An OpenRLHF GRPO command line for the tiny model (vLLM engines named, as every real run has)."""
     return [
@@ -117,7 +135,8 @@ def trainer(
         config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     engine, optim, _, scheduler = deepspeed.initialize(
         model=actor.model,
-        optimizer=torch.optim.SGD(actor.model.parameters(), lr=lr),
+        # the trainable parameters, as OpenRLHF's optimizer takes them (a LoRA model's adapters)
+        optimizer=torch.optim.SGD([p for p in actor.model.parameters() if p.requires_grad], lr=lr),
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0),
         config=config,
     )
@@ -204,6 +223,7 @@ __all__ = [
     "cpu",
     "experience",
     "fill",
+    "lora_model",
     "parameters",
     "parse_args",
     "rollouts",

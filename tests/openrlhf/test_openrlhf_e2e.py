@@ -1,13 +1,12 @@
 """OpenRLHF end to end as users launch it: a whole GRPO run through OpenRLHF's own ``train_ppo_ray``,
 with Ray actors, DeepSpeed ZeRO-2 and the reference model (KL loss), on a tiny model on the CPU.
 
-    python -m forkrl.plugins.openrlhf.train_ppo_ray <OpenRLHF's flags> --forkrl.tree_packing
-    python -m openrlhf.cli.train_ppo_ray <the same flags>                  (stock, the same harness)
+    python -m forkrl.plugins.openrlhf.cpu_run <OpenRLHF's flags> --forkrl.tree_packing
+    python -m forkrl.plugins.openrlhf.cpu_run --stock <the same flags>     (OpenRLHF's own launcher)
 
-Each runs in its own process (its own Ray), started through ``tests/e2e/cpu_host/openrlhf_launch.py``,
-which only adds the CPU stand-ins for OpenRLHF's GPU-only parts (an HF-generate rollout for vLLM, the
-device patches of ``tests/e2e/cpu_host/openrlhf_patches.py``) and then runs the module as ``-m`` would.
-Each run must exit 0 and save (``--ckpt.output_dir``) a model whose parameters moved; the tree run must
+Each runs in its own process (its own Ray) through forkrl's CPU run, as docs/cpu.md tells users: forkrl's
+launcher (or OpenRLHF's with ``--stock``) unchanged, with the CPU stand-ins for OpenRLHF's GPU-only parts
+(an HF-generate rollout for vLLM, fake GPUs for Ray, device patches in every worker). Each run must exit 0 and save (``--ckpt.output_dir``) a model whose parameters moved; the tree run must
 log ``tree/*`` in OpenRLHF's own TensorBoard log (``--logger.tensorboard_dir``) every step, the stock
 run none. The reward is the fraction of digits in the response, through OpenRLHF's custom reward file
 (``--reward.remote_url``), dense enough that every group has nonzero advantages.
@@ -30,6 +29,8 @@ import torch
 
 from forkrl.core.testing.models import byte_llama, byte_tokenizer, save_pretrained
 from forkrl.core.testing.ranks import clean_env
+from forkrl.plugins.openrlhf.cpu_rollout import ROLLOUT_LOG as CPU_ROLLOUT_LOG
+from tests.e2e.cpu_host import ROLLOUT_LOG
 from tests.e2e.launch import run_launcher
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,13 +81,18 @@ def _launch(
     extra_env: dict | None = None,
     **run,
 ) -> dict:
-    """Run ``python -m <module> <flags>`` on the CPU stand-ins; returns its log and wall time.
-    ``run``: :func:`_command`'s sizes; ``extra_env``: more environment variables."""
-    cmd = [sys.executable, "-m", "tests.e2e.cpu_host.openrlhf_launch", module]
+    """Run ``module``'s launcher (forkrl's ``forkrl.plugins.openrlhf.train_ppo_ray`` or OpenRLHF's
+    ``openrlhf.cli.train_ppo_ray``) through ``python -m forkrl.plugins.openrlhf.cpu_run``; returns its
+    log and wall time. ``run``: :func:`_command`'s sizes; ``extra_env``: more environment variables
+    (the e2e rollout log variable, ``tests.e2e.cpu_host.ROLLOUT_LOG``, is the CPU rollout's)."""
+    stock = {"openrlhf.cli.train_ppo_ray": ["--stock"], "forkrl.plugins.openrlhf.train_ppo_ray": []}[module]
+    cmd = [sys.executable, "-m", "forkrl.plugins.openrlhf.cpu_run", *stock]
     cmd += [*_command(data["model"], data["prompts"], out, **run), *extra]
+    extra_env = dict(extra_env or {})
+    if ROLLOUT_LOG in extra_env:
+        extra_env[CPU_ROLLOUT_LOG] = extra_env.pop(ROLLOUT_LOG)
     env = clean_env(
         OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
         # DeepSpeed's CPU ops, prebuilt by scripts/setup.sh (scripts/test.sh points here too)
         TORCH_EXTENSIONS_DIR=os.environ.get(
             "TORCH_EXTENSIONS_DIR", str(ROOT / ".venv-openrlhf/torch_extensions")
@@ -96,7 +102,7 @@ def _launch(
         HF_DATASETS_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
         RAY_DEDUP_LOGS="0",  # every line of the CPU rollout's, as printed (read by the resume test)
-        **(extra_env or {}),
+        **extra_env,
     )
     returncode, log, seconds = run_launcher(cmd, env=env, cwd=ROOT, timeout=timeout)
     assert returncode == 0, log[-6000:]
@@ -199,7 +205,7 @@ def test_resuming_from_a_checkpoint_equals_the_uninterrupted_run(data, tree_run,
     before it generates, and continues the prompt order. forkrl keeps no state that changes the update:
     the tree is rebuilt from each step's rows, and its cost model only balances rows between ranks
     (one rank here). The CPU rollout samples from the weights and prompts alone (see
-    ``openrlhf_rollout``), so step 2 sees the same rollouts in both runs.
+    ``forkrl.plugins.openrlhf.cpu_rollout``), so step 2 sees the same rollouts in both runs.
 
     One thing the checkpoint does not restore: the policy actor's torch RNG, from which ``ppo_train``
     shuffles the replay buffer, so the resumed step 2 shuffles its rows as the uninterrupted step 1 did

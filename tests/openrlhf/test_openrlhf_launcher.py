@@ -54,6 +54,11 @@ def test_real_command_line_parses_and_forkrl_flags_arrive():
         (["--forkrl.tree_mode", "keep"], "tree_mode set but tree_packing=False"),
         (["--forkrl.long_context_replay", "--forkrl.tree_mode", "keep"], "contradicts tree_mode='keep'"),
         (["--forkrl.tree_packing", "maybe"], "expected true or false"),
+        (
+            ["--forkrl.speculative_rollout", "--forkrl.speculative_margin", "0.2"],
+            "--forkrl.speculative_margin is not taken by OpenRLHF's launcher: it is read only by the 'auto' "
+            "speculation policy",
+        ),
     ],
 )
 def test_bad_forkrl_flags_are_usage_errors(capsys, argv, needle):
@@ -85,6 +90,40 @@ def test_refused_openrlhf_settings_fail_before_ray(extra, needle):
     assert needle in str(info.value.code) and "or train without --forkrl.tree_packing" in str(info.value.code)
     # one prefix for every error the launcher gives, as argparse's usage errors have
     assert str(info.value.code).startswith("python -m forkrl.plugins.openrlhf.train_ppo_ray: error: ")
+
+
+def test_the_docs_offer_only_flags_the_launcher_takes():
+    """docs/openrlhf.md names no forkrl option the launcher refuses: every ``--forkrl.X`` it writes is
+    a flag, and the options OpenRLHF's launcher does not take are not mentioned at all."""
+    import re
+
+    from forkrl.plugins.openrlhf.options import NOT_TAKEN
+
+    text = (ROOT / "docs" / "openrlhf.md").read_text()
+    named = set(re.findall(r"--forkrl\.(\w+)", text))
+    assert named and named <= set(FLAGS), sorted(named - set(FLAGS))
+    assert NOT_TAKEN and not [name for name in NOT_TAKEN if name in text]
+
+
+@pytest.mark.parametrize("path", ["/no/such/dir", "./no-such-dir", "no/such/dir"])
+def test_a_missing_model_folder_is_refused_before_ray(monkeypatch, path):
+    """The launcher's own run (not the dry parse): a model path that is neither a folder here nor a
+    hub id fails with forkrl's message before ``train`` could start Ray or load anything."""
+    import ray
+
+    from forkrl.plugins.openrlhf import train_ppo_ray
+
+    def start(*args, **kwargs):
+        raise AssertionError("Ray started")
+
+    monkeypatch.setattr(ray, "init", start)
+    with pytest.raises(SystemExit) as info:
+        train_ppo_ray.main(h.command(path))
+    message = str(info.value.code)
+    assert message.startswith(
+        "python -m forkrl.plugins.openrlhf.train_ppo_ray: error: --actor.model_name_or_path"
+    )
+    assert f"{path!r}: no such model folder or hub id" in message
 
 
 def test_ring_attention_is_accepted():

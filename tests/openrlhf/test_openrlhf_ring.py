@@ -68,6 +68,28 @@ for name, ref in (("dp", "ring"), ("ring-sdpa", "ring"), ("tree", "ring"), ("rep
     if name.startswith("tree"):
         s, t = runs[ref][1][-1], runs[name][1][-1]
         lines.append(f"RANK {{rank}} {{name}}-loss REL {{abs(s['policy_loss'] - t['policy_loss']) / abs(s['policy_loss']):.3e}} CHANGE 1")
+# Old-policy and reference scoring through forkrl's actors (as Ray runs them), one batch on both ranks
+# of the ring, as OpenRLHF sends it: each rank scores its share of the rows (counted through the
+# layouts it builds), every rank returns the whole batch, equal to OpenRLHF's own actors'.
+from openrlhf.trainer.ray.launcher import ReferenceModelActor
+from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
+from forkrl.core.testing.models import max_rel_err
+from forkrl.plugins.openrlhf import actors, trainer as tree_trainer
+from tests.openrlhf.test_openrlhf_trainer import _policy_actor, _reference_actor
+t = runs["tree"][0]
+e = h.experience(h.rollouts(seed=5), seed=5)
+inputs = (e.sequences, e.action_mask, e.attention_mask)
+rows, layout = [], tree_trainer._layout
+tree_trainer._layout = lambda s, a, m: rows.append(s.shape[0]) or layout(s, a, m)
+with h.cpu():
+    for name, build, host, ours in (
+        ("policy", _policy_actor, PolicyModelActor, actors.TreePolicyModelActor),
+        ("reference", _reference_actor, ReferenceModelActor, actors.TreeReferenceModelActor),
+    ):
+        want, got = build(t, host.__ray_actor_class__).forward(*inputs), build(t, ours).forward(*inputs)
+        lines.append(f"RANK {{rank}} score-{{name}} REL {{max_rel_err([got], [want]):.3e}} CHANGE 1")
+tree_trainer._layout = layout
+lines.append(f"RANK {{rank}} score-share REL {{sum(rows) / (2 * e.sequences.shape[0]):.3e}} CHANGE 1")
 before = dict(h.byte_llama(0).named_parameters())
 update = lambda name: torch.cat([(h.parameters(runs[name][0])[n].float() - before[n].detach()).flatten() for n in sorted(before)])
 bf16 = Bf16Rounding("bf16", update("tree-bf16"), update("ring-bf16"), update("ring"))
@@ -80,17 +102,23 @@ finish()
 def test_ring_group_equals_stock(tmp_path):
     """Tree packing (ZeRO-2 and ZeRO-3), long-context replay, a one-micro-batch window, and bf16
     (OpenRLHF's criterion: within half the bf16 gap of stock) under ``--ds.ring_attn_size 2``:
-    OpenRLHF's update after two rounds and its logged policy loss."""
+    OpenRLHF's update after two rounds and its logged policy loss. Old-policy and reference scoring:
+    OpenRLHF's actors' log-probs, each rank of the ring scoring its share of the rows only."""
     script = tmp_path / "ring.py"
     script.write_text(_SCRIPT.format(root=str(ROOT)))
     lines = rank_lines(torchrun(script, cwd=ROOT, timeout=900).stdout)
     values = {(int(f[1]), f[2]): (float(f[4]), float(f[6])) for f in (line.split() for line in lines)}
     names = {"dp", "ring-sdpa", "tree", "replay", "tree-zero3", "tree-one", "bf16-near"}
     names |= {f"{n}-loss" for n in ("tree", "tree-zero3", "tree-one")}
+    names |= {"score-policy", "score-reference", "score-share"}
     assert {k for r, k in values if r == 1} == names, values
+    # each rank scored a share of the batch, together all of it once
+    assert values[0, "score-share"][0] + values[1, "score-share"][0] == 1.0, values
     for (rank, name), (value, change) in values.items():
         assert change > 1e-3, (rank, name, change)
-        if name == "ring-sdpa":
+        if name == "score-share":
+            assert 0.0 < value < 1.0, (rank, value)
+        elif name == "ring-sdpa":
             assert value > 1e-2, (rank, name, value)  # the stand-in is what makes the reference exact
         elif name == "bf16-near":
             assert value < 0.5, (rank, name, value)

@@ -41,7 +41,10 @@ def test_the_one_policy_openrlhf_runs_is_the_default():
     "extra,message",
     [
         (("--forkrl.speculative_rollout", "--forkrl.speculative_policy", "auto"), "invalid choice: 'auto'"),
-        (("--forkrl.speculative_rollout", "--forkrl.speculative_margin", "0.2"), "unknown forkrl flag"),
+        (
+            ("--forkrl.speculative_rollout", "--forkrl.speculative_margin", "0.2"),
+            "--forkrl.speculative_margin is not taken by OpenRLHF's launcher",
+        ),
         ((*SPEC, "--vllm.num_engines", "0"), "--vllm.num_engines >= 1"),
     ],
 )
@@ -89,7 +92,7 @@ def test_launcher_swaps_the_engine_class_only_while_it_runs(monkeypatch):
     from openrlhf.trainer.ray import vllm_engine
 
     original, seen = vllm_engine.RolloutRayActor, []
-    monkeypatch.setattr(train_ppo_ray, "_run_host", lambda argv: seen.append(vllm_engine.RolloutRayActor))
+    monkeypatch.setattr(train_ppo_ray, "run_host", lambda argv: seen.append(vllm_engine.RolloutRayActor))
     train_ppo_ray.main(h.command("some/model", *SPEC))
     assert isinstance(seen[0], SpeculativeRolloutActor) and seen[0].actor_class is original
     assert vllm_engine.RolloutRayActor is original

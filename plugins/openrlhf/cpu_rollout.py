@@ -1,43 +1,64 @@
-"""Test-only: a Hugging Face ``generate`` rollout for OpenRLHF 0.11.2, standing in for vLLM on a CPU machine.
+"""The CPU run's rollout: a Hugging Face ``generate`` actor standing in for OpenRLHF 0.11.2's vLLM engines.
 
-OpenRLHF has no rollout without vLLM (``--vllm.num_engines 0`` still dispatches to engines), and
-vLLM cannot serve on a CPU. OpenRLHF's driver builds its engines with
-``openrlhf.trainer.ray.create_vllm_engines`` and then only calls methods on them: the
-:class:`SamplesGenerator` calls ``generate_responses`` and ``get_num_unfinished_requests``;
-OpenRLHF's own ``SingleTurnAgentExecutor`` calls back ``generate(prompt_token_ids, sampling_params)``
-and reads ``.outputs[0].token_ids / .text / .finish_reason / .logprobs`` as from a vLLM
-``RequestOutput`` (log-probs are asked for only with ``--algo.advantage.is_correction_level``: not
-supported here); sleep/wake/prefix-cache calls come with ``--vllm.enable_sleep`` and prefix caching.
-:class:`HFRolloutActor` answers each of these (Ray forbids subclassing ``RolloutRayActor``), and
-:func:`create_cpu_rollout_engines` takes ``create_vllm_engines``'s arguments. Rewards are computed by
-OpenRLHF's own executor, exactly as inside ``RolloutRayActor.generate_responses``.
+This module is the one seam between :mod:`~forkrl.plugins.openrlhf.cpu_run` and the rollout: a real
+vLLM CPU rollout replaces it by providing the same two names,
 
-Weights reach it through :meth:`HFRolloutActor.load_weights` (see
-``openrlhf_patches.broadcast_through_ray``, which replaces the NCCL broadcast). It only makes
-rollouts: the training step under test, stock OpenRLHF's or forkrl's, is untouched by it.
+- :func:`create_engines`: ``openrlhf.trainer.ray.create_vllm_engines``'s signature, swapped in on
+  the driver while the run lasts;
+- :data:`WORKER_PATCHES`: how the policy's weights reach the engines after each step, applied in
+  every Ray worker (with the device patches of :mod:`~forkrl.plugins.openrlhf.cpu_patches`).
+
+Why a stand-in: OpenRLHF has no rollout without vLLM (``--vllm.num_engines 0`` still dispatches to
+engines), and OpenRLHF 0.11.2's vLLM engines wait for GPUs, allocate their weight-sync buffers on
+CUDA and sync weights over NCCL. OpenRLHF's driver builds its engines with ``create_vllm_engines``
+and then only calls methods on them: the ``SamplesGenerator`` calls ``generate_responses`` and
+``get_num_unfinished_requests``; OpenRLHF's own ``SingleTurnAgentExecutor`` calls back
+``generate(prompt_token_ids, sampling_params)`` and reads ``.outputs[0].token_ids / .text /
+.finish_reason / .logprobs`` as from a vLLM ``RequestOutput`` (log-probs are asked for only with
+``--algo.advantage.is_correction_level``, which the CPU run refuses); sleep/wake/prefix-cache calls
+come with ``--vllm.enable_sleep`` and prefix caching. :class:`HFRolloutActor` answers each of these
+(Ray forbids subclassing ``RolloutRayActor``). Rewards are computed by OpenRLHF's own executor,
+exactly as inside ``RolloutRayActor.generate_responses``.
+
+It only makes rollouts: the policy's log-probs, advantages, loss, gradients and optimizer step are
+the trainer's (stock OpenRLHF's or forkrl's), which receives the samples as from vLLM.
 
 Its rollouts are a function of the weights and the prompts alone, so that a run resumed from a
 checkpoint samples what the uninterrupted run sampled: each sample draws from its own seed (the
 engine's seed, the prompt's tokens, and how often that prompt was asked since the last weight load),
 not from one stream shared by whatever ran before; and requests run one at a time in the order they
 were sent (a synchronous Ray actor), so OpenRLHF collects the prompts' results in one order.
+Each request prints ``cpu rollout: N samples of '<prompt>' from load #K`` (``#0``: the initial
+weights); with :data:`ROLLOUT_LOG` set, every sample is appended to that file as a JSON line.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 from collections import Counter
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import ray
 import torch
 
-from tests.e2e.cpu_host import record_rollout
+__all__ = ["ROLLOUT_LOG", "WORKER_PATCHES", "HFRolloutActor", "create_engines"]
 
-__all__ = ["HFRolloutActor", "create_cpu_rollout_engines"]
+#: When this environment variable names a file, the rollout appends each sample it makes to it, one
+#: JSON line ``{"load", "prompt", "tokens"}`` (``load``: the weight syncs it has had), e.g. to
+#: compare two runs' rollouts step by step.
+ROLLOUT_LOG = "FORKRL_CPU_ROLLOUT_LOG"
+
+
+def _record(load: int, prompt: list[int], tokens: list[int]) -> None:
+    path = os.environ.get(ROLLOUT_LOG)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"load": load, "prompt": list(prompt), "tokens": list(tokens)}) + "\n")
 
 
 async def _ready(value: Any) -> Any:
@@ -109,7 +130,7 @@ class HFRolloutActor:
                 **kwargs,
             )
         tokens = out[0, ids.shape[1] :].tolist()
-        record_rollout(self.loads, prompt_token_ids, tokens)
+        _record(self.loads, prompt_token_ids, tokens)
         finished = bool(tokens) and tokens[-1] == self.tokenizer.eos_token_id
         text = self.tokenizer.decode(tokens, skip_special_tokens=p.skip_special_tokens)
         output = SimpleNamespace(
@@ -186,7 +207,7 @@ class HFRolloutActor:
         """No-op (requests are never left running)."""
 
 
-def create_cpu_rollout_engines(
+def create_engines(
     num_engines: int,
     tensor_parallel_size: int,
     pretrain: str,
@@ -208,3 +229,38 @@ def create_cpu_rollout_engines(
         )
         for i in range(num_engines)
     ]
+
+
+# ---------------------------------------------------------------------------------- weight sync
+def broadcast_through_ray(module: ModuleType) -> None:
+    """The policy's weights reach the rollout as a state dict through Ray instead of an NCCL broadcast.
+
+    Replaces ``ActorPPOTrainer._init_vllm_sync_group`` (a PyNccl group between DeepSpeed rank 0 and the
+    vLLM workers) with nothing, and ``ActorPPOTrainer.broadcast_to_vllm`` (parameter by parameter over
+    that group) with one call of the rollout's ``load_weights``. forkrl's trainer inherits both. Why
+    not the math: the same parameters (gathered under ZeRO-3, as OpenRLHF gathers them) reach the
+    rollout after every step, as OpenRLHF sends them; the training step never reads them back.
+    """
+    import deepspeed
+    import torch.distributed as dist
+
+    def _init_vllm_sync_group(self: Any, backend: str) -> None:
+        del self, backend
+
+    def broadcast_to_vllm(self: Any) -> None:
+        params = list(self.actor.model.module.named_parameters())
+        zero3 = self.strategy.args.ds.zero_stage == 3
+        with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=zero3):  # collective
+            state = {n: p.detach().to("cpu", copy=True) for n, p in params} if dist.get_rank() == 0 else None
+        if state is not None:
+            ray.get([engine.load_weights.remote(state) for engine in self.vllm_engines])
+        dist.barrier()
+
+    module.ActorPPOTrainer._init_vllm_sync_group = _init_vllm_sync_group
+    module.ActorPPOTrainer.broadcast_to_vllm = broadcast_to_vllm
+
+
+#: module -> its patch, run in every Ray worker right after the module is first imported there.
+WORKER_PATCHES: dict[str, Callable[[ModuleType], None]] = {
+    "openrlhf.trainer.ray.ppo_actor": broadcast_through_ray,
+}

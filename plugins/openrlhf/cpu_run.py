@@ -1,0 +1,212 @@
+"""A CPU smoke run: OpenRLHF's whole ``train_ppo_ray`` with forkrl, without a GPU, for a tiny model.
+
+    python -m forkrl.plugins.openrlhf.cpu_run <OpenRLHF's flags> [--forkrl.* flags]
+    python -m forkrl.plugins.openrlhf.cpu_run --stock <OpenRLHF's flags>     (OpenRLHF's own launcher)
+
+For trying forkrl's OpenRLHF plugin end to end (its flags, its refusals, its metrics in OpenRLHF's
+own logs, checkpoints) where no GPU is at hand, with a model small enough for a CPU; not for
+training real models. The run is forkrl's launcher (:mod:`~forkrl.plugins.openrlhf.train_ppo_ray`;
+with ``--stock``, OpenRLHF's ``openrlhf.cli.train_ppo_ray``) run unchanged, after three stand-ins
+for OpenRLHF's GPU-only parts:
+
+- **the rollout** (:mod:`~forkrl.plugins.openrlhf.cpu_rollout`, the one module to replace for
+  another rollout): OpenRLHF generates only through vLLM engines, which wait for GPUs; a Ray actor
+  sampling with Hugging Face ``generate`` takes their place, and the policy's weights reach it
+  through Ray after every step;
+- **fake GPUs for Ray**: OpenRLHF's actors ask Ray for GPUs (``ray.remote(num_gpus=1)``, placement
+  bundles ``{"GPU": 1}``) and would wait forever on a machine without any, so Ray is started here
+  with as many logical GPUs as the run's actor groups ask for (:func:`ray_resources`). They are
+  only counters for Ray's scheduler: the actors compute on the CPU (DeepSpeed's CPU accelerator,
+  gloo collectives);
+- **device patches in every Ray worker** (:mod:`~forkrl.plugins.openrlhf.cpu_patches`): CUDA calls,
+  the device mesh, the replay buffer's device and DeepSpeed's Adam kernel, each outside the math.
+
+Settings a CPU cannot run are refused before Ray starts (:func:`check_cpu_args`), as the launcher
+refuses its own. Ray is local to this process and ends with it. The commands, from making a tiny
+model to reading the run's metrics: docs/cpu.md, "OpenRLHF".
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from . import compat
+from .options import FLAG_PREFIX, options_from
+from .options import PROG as LAUNCHER
+
+__all__ = ["CPU_ENV", "PROG", "check_cpu_args", "main", "ray_resources", "run"]
+
+PROG = "python -m forkrl.plugins.openrlhf.cpu_run"
+
+#: DeepSpeed's CPU accelerator (gloo collectives); no idle Ray workers started ahead of need (each
+#: costs CPU on a small machine); no usage reporting. Set before Ray starts, so that Ray's
+#: processes and workers inherit it.
+CPU_ENV = {
+    "DS_ACCELERATOR": "cpu",
+    "RAY_enable_worker_prestart": "0",
+    "RAY_prestart_worker_first_driver": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+
+#: Ray's ``worker_process_setup_hook``: the device and weight-sync patches in every worker.
+WORKER_HOOK = "forkrl.plugins.openrlhf.cpu_patches.apply_worker"
+
+#: Attention implementations with CPU kernels.
+CPU_ATTENTION = ("sdpa", "eager")
+
+
+def _get(args: Any, path: str, default: Any = None) -> Any:
+    node = args
+    for part in path.split("."):
+        node = getattr(node, part, None)
+        if node is None:
+            return default
+    return node
+
+
+def check_cpu_args(args: Any) -> None:
+    """Refuse OpenRLHF settings that the CPU run cannot serve, from the parsed arguments alone.
+
+    Args:
+        args: OpenRLHF's final arguments (``train_ppo_ray.parse_args``: after OpenRLHF's own
+            derivations, e.g. ``--ds.ring_attn_size > 1`` turning on ``--ds.packing_samples``).
+
+    Raises:
+        ValueError: naming the flag, why a CPU cannot run it, and what to use instead.
+    """
+    attention = str(_get(args, "ds.attn_implementation", "flash_attention_2"))
+    engines = _get(args, "vllm.num_engines", 0) or 0
+    refusals = [
+        (
+            bool(_get(args, "ds.packing_samples", False)),
+            "--ds.packing_samples (which --ds.ring_attn_size > 1 and --train.dynamic_batch_enable also turn on) "
+            "packs rows for flash-attention's varlen kernels, which a CPU does not have: drop it, and those two",
+        ),
+        (
+            attention not in CPU_ATTENTION,
+            f"--ds.attn_implementation {attention} (OpenRLHF's default is flash_attention_2) has no CPU kernels: "
+            f"pass --ds.attn_implementation sdpa (or eager)",
+        ),
+        (
+            engines < 1,
+            f"--vllm.num_engines {engines}: OpenRLHF generates only through its vLLM engines, which this run replaces "
+            "with its CPU rollout: pass --vllm.num_engines 1",
+        ),
+        (
+            (_get(args, "vllm.tensor_parallel_size", 1) or 1) > 1,
+            "--vllm.tensor_parallel_size > 1: the CPU rollout is one process per engine: pass --vllm.tensor_parallel_size 1",
+        ),
+        (
+            (_get(args, "data.max_images_per_prompt", 0) or 0) > 0,
+            "--data.max_images_per_prompt: the CPU rollout generates text only: drop it",
+        ),
+        (
+            _get(args, "algo.advantage.is_correction_level", "off") != "off",
+            "--algo.advantage.is_correction_level corrects with vLLM's sampling log-probs, which the CPU rollout does "
+            "not return: leave it off",
+        ),
+        (
+            (_get(args, "ds.lora.rank", 0) or 0) > 0,
+            "--ds.lora.rank > 0: the CPU rollout loads the policy's whole weights by name and takes no LoRA adapter: "
+            "drop --ds.lora.rank",
+        ),
+        (
+            options_from(args).speculative_rollout,
+            "--forkrl.speculative_rollout drafts inside vLLM's engines, which this run replaces with its CPU rollout: "
+            "drop it",
+        ),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ValueError(f"on a CPU, {why}")
+
+
+def ray_resources(args: Any) -> dict[str, int]:
+    """Ray's ``num_cpus``/``num_gpus`` for the run: a logical GPU for every GPU its actor groups ask
+    for (OpenRLHF's ``train``: policy, reference, critic, reward model; colocated groups share one
+    placement group), and a CPU for each plus two, as OpenRLHF's actors hold one CPU per GPU and its
+    trainer actor needs a free one to be placed. The rollout stand-in holds neither."""
+
+    def gpus(group: str) -> int:
+        return int(_get(args, f"{group}.num_nodes", 1)) * int(_get(args, f"{group}.num_gpus_per_node", 1))
+
+    total = gpus("actor")
+    if _get(args, "train.colocate_all", False):  # every group in the policy's placement group
+        return {"num_cpus": total + 2, "num_gpus": total}
+    reference = float(_get(args, "algo.kl.init_coef", 0.0) or 0.0) > 0
+    if reference and not _get(args, "train.colocate_actor_ref", False):
+        total += gpus("ref")
+    critic = bool(_get(args, "critic.model_name_or_path"))
+    if critic:
+        total += gpus("critic")
+    shares_critic = critic and _get(args, "train.colocate_critic_reward", False)
+    if not _get(args, "reward.remote_url") and not shares_critic:
+        total += gpus("reward")
+    return {"num_cpus": total + 2, "num_gpus": total}
+
+
+def _refuse(err: Exception) -> SystemExit:
+    return SystemExit(f"{PROG}: error: {err}")
+
+
+def run(argv: Sequence[str], stock: bool = False, worker_setup_hook: str = WORKER_HOOK) -> None:
+    """Run forkrl's launcher (or with ``stock``, OpenRLHF's own) with the command line ``argv`` on
+    the CPU stand-ins; Ray is started here and shut down at the end.
+
+    Raises:
+        SystemExit: for a command line the launcher, OpenRLHF or the CPU run refuses (before Ray starts).
+    """
+    argv = list(argv)
+    if stock and any(arg.startswith(FLAG_PREFIX) for arg in argv):
+        raise _refuse("--stock runs OpenRLHF's own launcher, which takes no --forkrl.* flags: drop them")
+    os.environ.update(CPU_ENV)
+    from . import cpu_rollout, train_ppo_ray
+
+    try:
+        args = train_ppo_ray.parse_args(argv)  # OpenRLHF's and forkrl's own checks, nothing started
+    except SystemExit as err:  # the launcher's refusals, under this command's name
+        if isinstance(err.code, str) and err.code.startswith(LAUNCHER + ":"):
+            raise SystemExit(PROG + err.code[len(LAUNCHER) :]) from None
+        raise
+    try:
+        check_cpu_args(args)
+    except ValueError as err:
+        raise _refuse(err) from None
+    import ray
+
+    ray.init(
+        address="local",  # a new Ray of this process's own, never a running cluster found in /tmp/ray
+        **ray_resources(args),
+        include_dashboard=False,
+        runtime_env={"worker_process_setup_hook": worker_setup_hook},
+    )
+    try:
+        with compat.swapped("openrlhf.trainer.ray", create_vllm_engines=cpu_rollout.create_engines):
+            if stock:
+                train_ppo_ray.run_host(argv)
+            else:
+                train_ppo_ray.main(argv)
+    finally:
+        ray.shutdown()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """The command line: ``[--stock] <OpenRLHF's flags> [--forkrl.* flags]``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(f"usage: {PROG} [--stock] <OpenRLHF's train_ppo_ray flags> [--forkrl.* flags]\n")
+        print((__doc__ or "").split("\n\n", 2)[2])
+        print("--stock: run OpenRLHF's own openrlhf.cli.train_ppo_ray on the same stand-ins (no forkrl).\n")
+        from . import train_ppo_ray
+
+        train_ppo_ray.main(["--help"])
+        return
+    stock = "--stock" in argv
+    run([arg for arg in argv if arg != "--stock"], stock=stock)
+
+
+if __name__ == "__main__":
+    main()
