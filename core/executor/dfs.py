@@ -9,8 +9,8 @@ The pass is a small state machine over three steps (:class:`Step`):
   (causal attention never lets a real token see the padding after it); in a gradient pass its
   head and one backward follow at once, so the ancestors' key/value gradient of all the siblings
   arrives in one call per layer;
-- ``LEAVE`` a unit: drop its cache; in replay mode forward it again with grad (same random
-  numbers), then backpropagate it once with its head's gradient plus the gradient its
+- ``LEAVE`` a unit: drop its cache; in replay mode forward it again with grad (forwards are
+  deterministic: the executor refuses dropout), then backpropagate it once with its head's gradient plus the gradient its
   descendants accumulated into its keys/values, which passes on to its ancestors.
 
 Only one root-to-leaf path is alive at a time.
@@ -18,7 +18,6 @@ Only one root-to-leaf path is alive at a time.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 from dataclasses import dataclass
 
@@ -50,7 +49,6 @@ class _Frame:
     hidden_grad: torch.Tensor | None = None  # [R, hidden] gradient from the LM head
     kv: NodeKV | None = None  # the unit's own keys/values (in graph when forwarded with grad)
     leaves: NodeKV | None = None  # detached copies handed to descendants
-    rng: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # RNG state before the first forward
     router: torch.Tensor | None = None  # the MoE router loss's surrogate term, in the unit's graph
 
 
@@ -84,7 +82,6 @@ class DepthFirstPass:
         block = executor.block_size if (executor.mode == "replay" or not grad) else None
         self.units, self.roots = plan(forest, block)
         self.replay = grad and executor.mode == "replay"
-        self.save_rng = self.replay and self.adapter.has_dropout()
         self.past: list[LayerPast] = [[] for _ in range(self.adapter.num_layers)]
         self.past_len = 0
         self.frames: dict[int, _Frame] = {}
@@ -136,10 +133,8 @@ class DepthFirstPass:
                 self.arenas.pop(unit.node, None)  # the blocks still running hold their slices
         if not self.grad:
             return
-        if frame.kv is None:  # replay: forward again with grad, with the same random numbers
-            ctx = _restore_rng(frame.rng, self.device) if frame.rng is not None else contextlib.nullcontext()
-            with ctx:
-                hidden, frame.kv, frame.router = self._forward(unit)
+        if frame.kv is None:  # replay: forward again with grad (forwards draw no random numbers)
+            hidden, frame.kv, frame.router = self._forward(unit)
             frame.hidden_rows, frame.hidden_grad = self.head.unit(unit, hidden[0], grad=True)
             del hidden
         self._backpropagate(frame)
@@ -180,8 +175,6 @@ class DepthFirstPass:
         # Keep mode forwards with grad once, on the way down. Replay forwards without grad here and
         # again with grad on the way up, except for leaves, whose way up follows at once.
         direct = self.grad and not frozen and (not self.replay or not unit.children)
-        if self.save_rng and not direct and not frozen:
-            frame.rng = _get_rng(self.device)
         with torch.set_grad_enabled(direct):
             hidden, kv, frame.router = self._forward(unit)
         if direct:
@@ -293,12 +286,9 @@ class DepthFirstPass:
         a gradient pass (the activations autograd keeps for one batch: memory flat in group size),
         ``score_batch_tokens`` a scoring pass. A replay gradient pass runs leaves one at a time:
         its memory is one root-to-leaf path's whatever the group size (what replay is chosen for);
-        so does a gradient pass with dropout active (each leaf's random masks as replay draws them).
         """
         budget = self.ex.leaf_batch_tokens if self.grad else self.ex.score_batch_tokens
-        if self.replay or (self.grad and self.adapter.has_dropout()):
-            # One leaf at a time: replay's memory is one root-to-leaf path's, and with dropout each
-            # leaf draws its own masks in the order replay (and a later re-run) draws them.
+        if self.replay:  # one leaf at a time: replay's memory is one root-to-leaf path's
             budget = 1
         context = 0 if self._splits() else self.past_len
         leaf_ids = sorted(leaf_ids, key=lambda i: len(self.units[i].tokens))
@@ -337,19 +327,3 @@ def _arena_leaves(buffer, layer: tuple[torch.Tensor, ...], offset: int, requires
             leaf.grad = grads[j][a:b].permute(1, 0, 2).unsqueeze(0)
         leaves.append(leaf)
     return tuple(leaves)
-
-
-def _get_rng(device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    cpu = torch.get_rng_state()
-    acc = [torch.cuda.get_rng_state(device)] if device.type == "cuda" else []
-    return cpu, acc
-
-
-@contextlib.contextmanager
-def _restore_rng(state, device: torch.device):
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.set_rng_state(state[0])
-        if state[1]:
-            torch.cuda.set_rng_state(state[1][0], device)
-        yield

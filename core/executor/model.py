@@ -120,6 +120,7 @@ class ModelAdapter:
         self.attn_implementation = compat.attention_implementation(self.base.config)
         # Multi-head latent attention: the split attention runs over its latent cache (attention.latent)
         self.mla_modules = compat.mla_modules(self.base)
+        self._random: list[str] | None = None  # random_sources(), found once
 
     @property
     def num_layers(self) -> int:
@@ -255,12 +256,84 @@ class ModelAdapter:
 
     def has_dropout(self) -> bool:
         """Whether a forward in the current mode draws random numbers (training with dropout > 0)."""
-        if not self.model.training:
-            return False
-        if any(isinstance(m, nn.Dropout) and m.p > 0 for m in self.model.modules()):
+        return self.model.training and bool(self.random_sources())
+
+    def random_sources(self) -> list[str]:
+        """What makes a training-mode forward random, whatever the current mode, or [] when it is
+        deterministic. Candidates are dropout modules with ``p > 0`` and the config's dropout rates
+        and router jitter above 0; which of those a model reads differs by architecture (GPT-2's
+        attention reads its module's rate, Llama's the config's), so where there are candidates a
+        small batch is run twice in training mode with different seeds, once per adapter."""
+        if self._random is None:
+            found = self._random_candidates()
+            self._random = found if found and self._forward_is_random() else []
+        return self._random
+
+    def _forward_is_random(self) -> bool:
+        device = self.head.weight.device
+        ids = torch.tensor([[1, 2, 3, 4, 5, 6]], device=device)
+        training = {m: m.training for m in self.model.modules()}
+        self.model.train()
+        outs = []
+        try:
+            for seed in (0, 1):
+                devices = [device] if device.type == "cuda" else []
+                with (
+                    torch.random.fork_rng(devices=devices),
+                    torch.no_grad(),
+                    torch.autocast(device.type, enabled=False),
+                ):
+                    torch.manual_seed(seed)
+                    outs.append(self.model(input_ids=ids).logits)
+        except Exception:  # noqa: BLE001 - a model that cannot run here (e.g. partitioned): assume its rates apply
             return True
-        names = ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "attn_pdrop")
-        return any(float(getattr(self.config, n, 0.0) or 0.0) > 0 for n in names)
+        finally:
+            for m, was in training.items():
+                m.training = was
+        return not torch.equal(outs[0], outs[1])
+
+    def _random_candidates(self) -> list[str]:
+        found = [
+            f"{n}={getattr(self.config, n)}"
+            for n in _RANDOM_CONFIG
+            if float(getattr(self.config, n, 0.0) or 0.0) > 0
+        ]
+        rates = sorted({m.p for m in self.model.modules() if isinstance(m, nn.Dropout) and m.p > 0})
+        if rates:
+            found.append(f"nn.Dropout modules with p={', '.join(f'{p:g}' for p in rates)}")
+        return found
+
+    def check_deterministic(self) -> None:
+        """Refuse a training-mode forward that draws random numbers (dropout, router jitter).
+
+        A shared prefix runs once on a tree, so every sequence sharing it would get one dropout mask
+        or noise draw where per-sequence training draws one for each: a different distribution of
+        updates, not only another sample of the same one.
+
+        Raises:
+            UnsupportedModelError: naming the rates and the way out.
+        """
+        sources = self.random_sources()
+        if sources:
+            raise UnsupportedModelError(
+                f"{self.name} draws random numbers in training mode ({'; '.join(sources)}): a tree computes a shared "
+                "prefix once, so every sequence sharing it would get the same dropout mask where per-sequence "
+                "training draws one each, a different distribution of updates; set the rates to 0 (TRL: "
+                "disable_dropout=True zeroes the nn.Dropout modules; a config rate such as attention_dropout is set "
+                "when loading, e.g. from_pretrained(..., attention_dropout=0.0)) or train without tree_packing"
+            )
+
+
+# Config fields whose value > 0 makes a training-mode forward random.
+_RANDOM_CONFIG = (
+    "attention_dropout",
+    "hidden_dropout",
+    "dropout",
+    "resid_pdrop",
+    "attn_pdrop",
+    "embd_pdrop",
+    "router_jitter_noise",
+)
 
 
 class _Fp32AccumulatedLinear(torch.autograd.Function):

@@ -354,6 +354,8 @@ class TreeExecutor:
         vision=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.verify()
+        if self.adapter.has_dropout():
+            self.adapter.check_deterministic()
         if router is not None and not self._router_probed:
             self._probe_router()
         if vision is not None:
@@ -438,7 +440,10 @@ class TreeExecutor:
         def leave(module, args, out):
             entered.pop().__exit__(None, None, None)
 
-        modules = (self.adapter.decoder, self.adapter.head)
+        # Every part of the forward, not only decoder and head: a head transform between them (BERT's
+        # cls.predictions.transform) would otherwise run in autocast's dtype into a float head.
+        ad = self.adapter
+        modules = list({id(m): m for m in (ad.decoder, ad.head, *ad.base.children())}.values())
         handles = [
             h for m in modules for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))
         ]

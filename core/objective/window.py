@@ -70,13 +70,16 @@ def gradient(
     ent = [t.detach().clone().requires_grad_(True) for t in entropies] if entropies is not None else None
     with torch.enable_grad():
         losses = evaluate(window, loss_fn, lp, ent)
+        for i, loss in enumerate(losses):
+            if not loss.requires_grad:  # what autograd refuses in a plain backward
+                raise TypeError(
+                    f"loss_fn returned a tensor that does not depend on the log-probs it was given (micro-batch {i}: "
+                    "no grad_fn), so there is no gradient to take: compute the loss from those tensors (not from "
+                    "detached copies or inside torch.no_grad()); nothing was accumulated"
+                )
         total = torch.stack(losses).sum()
         leaves = lp + (ent or [])
-        grads = (
-            torch.autograd.grad(total, leaves, allow_unused=True)
-            if total.requires_grad
-            else [None] * len(leaves)
-        )
+        grads = torch.autograd.grad(total, leaves, allow_unused=True)
     grads = [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, leaves, strict=True)]
     n = len(lp)
     return [x.detach() for x in losses], grads[:n], (grads[n:] if ent is not None else None)

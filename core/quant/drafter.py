@@ -61,6 +61,38 @@ class Drafter:
         self.bits, self.group_size, self.symmetric = bits, group_size, symmetric
         self.compute_dtype = compute_dtype
 
+    @staticmethod
+    def check(
+        model: nn.Module, bits: int = 4, group_size: int | None = None, quantize_lm_head: bool = True
+    ) -> dict[str, nn.Linear]:
+        """Raise ValueError now, naming the layer and the sizes that fit, when :meth:`from_policy`
+        could not draft ``model`` with these settings (arguments as there); returns the linear
+        layers it would quantize, by name. Reads shapes only: nothing is quantized or copied."""
+        if isinstance(bits, bool) or bits not in BITS:
+            raise ValueError(f"bits={bits!r} is not supported: use one of {BITS}")
+        if bits == 8 and group_size is not None:
+            raise ValueError(
+                f"group_size={group_size} with bits=8: torch's int8 kernel takes one scale per output "
+                "channel, so int8 is per-channel; pass group_size=None (or use bits=4 for groups)"
+            )
+        group = (group_size or DEFAULT_GROUP_SIZE) if bits == 4 else None
+        policy = unwrap(model)
+        for name, module in policy.named_modules():
+            if hasattr(module, "base_layer") or type(module).__module__.startswith("peft"):
+                raise ValueError(
+                    f"{name or type(module).__name__} is a PEFT adapter layer; the drafter needs the merged "
+                    "weights: build it from a merged copy (model.merge_and_unload()) or from the base model"
+                )
+        head = policy.get_output_embeddings() if hasattr(policy, "get_output_embeddings") else None
+        linears = {
+            name: m
+            for name, m in policy.named_modules()
+            if isinstance(m, nn.Linear) and (quantize_lm_head or m is not head)
+        }
+        for name, m in linears.items():
+            check_quantizable(name, m.in_features, bits, group)
+        return linears
+
     @classmethod
     @torch.no_grad()
     def from_policy(
@@ -91,29 +123,9 @@ class Drafter:
         Returns:
             The drafter, on the policy's device, in eval mode, with no parameter requiring grad.
         """
-        if isinstance(bits, bool) or bits not in BITS:
-            raise ValueError(f"bits={bits!r} is not supported: use one of {BITS}")
-        if bits == 8 and group_size is not None:
-            raise ValueError(
-                f"group_size={group_size} with bits=8: torch's int8 kernel takes one scale per output "
-                "channel, so int8 is per-channel; pass group_size=None (or use bits=4 for groups)"
-            )
+        linears = cls.check(model, bits, group_size, quantize_lm_head)
         group = (group_size or DEFAULT_GROUP_SIZE) if bits == 4 else None
         policy = unwrap(model)
-        for name, module in policy.named_modules():
-            if hasattr(module, "base_layer") or type(module).__module__.startswith("peft"):
-                raise ValueError(
-                    f"{name or type(module).__name__} is a PEFT adapter layer; the drafter needs the merged "
-                    "weights: build it from a merged copy (model.merge_and_unload()) or from the base model"
-                )
-        head = policy.get_output_embeddings() if hasattr(policy, "get_output_embeddings") else None
-        linears = {
-            name: m
-            for name, m in policy.named_modules()
-            if isinstance(m, nn.Linear) and (quantize_lm_head or m is not head)
-        }
-        for name, m in linears.items():
-            check_quantizable(name, m.in_features, bits, group)
         params = list(policy.parameters())
         if not params:
             raise ValueError("the policy has no parameters to quantize")

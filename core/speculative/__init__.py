@@ -16,10 +16,11 @@ from .accept import greedy_accept, speculative_accept, warp_logits
 from .hf import SpeculativeSampler
 from .options import SPECULATIVE_POLICIES, SpeculativeOptions
 from .policy import DEFAULT_LADDER, CostModel, Decision, SpeculationPolicy, expected_tokens, predicted_speedup
-from .rollout import SelfSpeculativeRollout
+from .rollout import SelfSpeculativeRollout, check_drafter
 from .stats import METRIC_PREFIX, SpeculativeOutput, SpeculativeStats
 
 __all__ = [
+    "check_drafter",
     "DEFAULT_LADDER",
     "METRIC_PREFIX",
     "SPECULATIVE_POLICIES",

@@ -19,7 +19,7 @@ from .hf import SpeculativeSampler
 from .options import SpeculativeOptions
 from .policy import SpeculationPolicy
 
-__all__ = ["SelfSpeculativeRollout"]
+__all__ = ["SelfSpeculativeRollout", "check_drafter"]
 
 _CALIBRATION_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -52,6 +52,11 @@ class SelfSpeculativeRollout:
     def current(self) -> SpeculativeSampler | None:
         """The sampler built so far (None before the first rollout)."""
         return self._sampler
+
+    def check_model(self, model: nn.Module) -> None:
+        """Raise ValueError now, naming ``speculative_bits``/``speculative_group_size``, when the
+        drafter could not quantize ``model`` (the unwrapped policy): at setup, not at the first rollout."""
+        check_drafter(self.options, model)
 
     def sampler(self, model: nn.Module, step: int, prompt_lengths: Sequence[int]) -> SpeculativeSampler:
         """The sampler for a rollout at optimizer step ``step`` of ``model`` (the unwrapped policy)."""
@@ -88,3 +93,19 @@ class SelfSpeculativeRollout:
                 margin=opts.margin,
             )
         return SpeculativeSampler(model, drafter, policy)
+
+
+def check_drafter(options: SpeculativeOptions, model: nn.Module) -> None:
+    """Raise ValueError, in the option names every host shares, when ``options``' drafter settings
+    cannot quantize ``model`` (e.g. a hidden size the default group of 128 does not divide)."""
+    opts = options.speculative_options()
+    try:
+        Drafter.check(model, bits=opts.speculative_bits, group_size=opts.drafter_group_size)
+    except ValueError as err:
+        setting = f"speculative_bits={opts.speculative_bits}"
+        if opts.speculative_bits == 4:
+            setting += f", speculative_group_size={opts.drafter_group_size or 128}"
+        raise ValueError(
+            f"speculative_rollout cannot build its drafter with {setting}: {err} (set speculative_group_size or "
+            "speculative_bits accordingly, or speculative_rollout=False)"
+        ) from None

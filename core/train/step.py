@@ -148,7 +148,10 @@ class TreeStep:
         """Raise :class:`~forkrl.core.UnsupportedModelError` now for a model no tree can run."""
         replica = self._replica(model)
         target = replica.replica if replica is not None else model
-        self.executor(target, self.score_mode)
+        executor = self.executor(target, self.score_mode)
+        executor.adapter.check_deterministic()
+        if replica is None:  # a sharded model's probe waits for its first gathered pass
+            executor.verify()
         if self.options.tree_mode == "packed":
             self.executor(target, "packed")
 

@@ -174,26 +174,46 @@ def test_gradient_checkpointing_is_handled_with_one_log_line(caplog):
     assert model.model.gradient_checkpointing  # restored
 
 
-def test_replay_reproduces_dropout_masks():
+def test_dropout_refused_before_anything_changes():
+    """A shared prefix runs once, so its dropout mask would be shared by every sequence: refused in
+    every mode, naming the rate, with param.grad untouched; in eval mode the same model runs."""
     model = make_model("llama-gqa", attention_dropout=0.3)
     model.train()
     seqs, sf = deep_tree()
     c_lp, c_ent = _coefs(seqs, sf, 9)
     forest = PrefixForest.build(seqs, sf)
-    out = {}
-    for mode in ("keep", "replay"):
-        torch.manual_seed(123)
+    for mode in ("keep", "replay", "packed"):
         model.zero_grad(set_to_none=True)
-        with Float64Mode():
+        with pytest.raises(UnsupportedModelError, match="attention_dropout=0.3"):
             TreeExecutor(model, mode=mode).backward(forest, c_lp, c_ent)
-        out[mode] = grads(model)
-    assert max_rel_err(out["replay"], out["keep"]) < TOL
-    # The masks were really random: a different seed gives a different gradient.
-    torch.manual_seed(7)
-    model.zero_grad(set_to_none=True)
-    with Float64Mode():
-        TreeExecutor(model, mode="replay").backward(forest, c_lp, c_ent)
-    assert max_rel_err(grads(model), out["keep"]) > 1e-6
+        with pytest.raises(UnsupportedModelError, match="same dropout mask"):
+            TreeExecutor(model, mode=mode).score(forest)
+        assert all(p.grad is None for p in model.parameters())
+    model.eval()
+    TreeExecutor(model, mode="keep").backward(forest, c_lp, c_ent)
+    assert any(p.grad is not None for p in model.parameters())
+
+
+def test_dropout_rates_a_model_does_not_read_are_not_refused():
+    """GPT-2 reads its dropout rates from nn.Dropout modules: with those zeroed (TRL's
+    disable_dropout) its config's rates draw nothing, and the executor runs it in training mode."""
+    import transformers
+
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            vocab_size=61, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.2, attn_pdrop=0.2
+        )
+    ).train()
+    seqs, sf = deep_tree()
+    forest = PrefixForest.build(seqs, sf)
+    with pytest.raises(UnsupportedModelError, match="attn_pdrop=0.2"):
+        TreeExecutor(gpt2).score(forest)
+    for m in gpt2.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    ex = TreeExecutor(gpt2)
+    assert ex.adapter.random_sources() == []
+    ex.score(forest)
 
 
 def test_packed_refused_for_state_models_and_sliding_windows():

@@ -302,6 +302,23 @@ def test_nan_advantages_raise_and_accumulate_nothing(token_local):
             assert all(p.grad is None for p in model.parameters()), bad
 
 
+@pytest.mark.parametrize("token_local", [True, False], ids=["token-local", "two-pass"])
+def test_a_loss_without_grad_is_refused_like_autograd(token_local):
+    """Stock autograd raises on a loss with no grad_fn; the bridge does too, before accumulating."""
+    model = make_model("llama-gqa")
+    seqs, sf = deep_tree()
+    forest = PrefixForest.build(seqs, sf)
+    ex = TreeExecutor(model)
+    model.zero_grad(set_to_none=True)
+    for loss_fn in (
+        lambda lp, ent, mask: (lp.detach() * mask).sum(),
+        lambda lp, ent, mask: torch.tensor(1.0),
+    ):
+        with pytest.raises(TypeError, match="does not depend on the log-probs"):
+            backward_loss(ex, forest, loss_fn, token_local=token_local)
+    assert all(p.grad is None for p in model.parameters())
+
+
 # ---------------------------------------------------------------------- 7. pad / unpad
 @pytest.mark.parametrize("lengths", [[3, 0, 5, 1], [0, 2], [4], [0, 0]])
 def test_pad_unpad_round_trip(lengths):
