@@ -14,7 +14,6 @@ import argparse
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -22,6 +21,8 @@ from forkrl.core.options import add_arguments
 from forkrl.core.speculative import SpeculativeOptions
 from forkrl.core.speculative.vllm_engine import check_engine_policy
 from forkrl.core.train import TreeOptions
+
+from ..models import missing_model, no_such_model
 
 __all__ = [
     "FLAGS",
@@ -36,7 +37,6 @@ __all__ = [
     "check_model_paths",
     "check_vlm_args",
     "flag_parser",
-    "missing_model",
     "options_from",
     "parse_flags",
 ]
@@ -150,6 +150,13 @@ def _balance_unsafe(args: Any) -> str | None:
     return None
 
 
+def _data_parallel(args: Any) -> int:
+    """The actor's data-parallel ranks, as OpenRLHF's launcher places them."""
+    gpus = int(_get(args, "actor.num_nodes", 1) or 1) * int(_get(args, "actor.num_gpus_per_node", 1) or 1)
+    group = int(_get(args, "ds.ring_attn_size", 1) or 1) * int(_get(args, "ds.tensor_parallel_size", 1) or 1)
+    return max(1, gpus // group)
+
+
 def balance_setting(args: Any, options: ForkrlOptions, world: int, vlm: bool = False) -> bool:
     """Whether each optimizer step's rows are rebalanced over the ``world`` data-parallel ranks
     (never for a vision-language actor, whose rows would move without their images)."""
@@ -195,6 +202,12 @@ def check_host_args(args: Any, options: ForkrlOptions) -> None:
             "outside DeepSpeed: use --ds.param_dtype bf16",
         ),
         (
+            options.tree_balance == "on" and _data_parallel(args) == 1,
+            "--forkrl.tree_balance on balances rows over data-parallel ranks, and this run has one (--actor.num_nodes "
+            "x --actor.num_gpus_per_node over ring and tensor parallelism), so it would have no effect: drop it "
+            "(the default auto balances when there are several)",
+        ),
+        (
             options.tree_balance == "on" and _balance_unsafe(args) is not None,
             f"--forkrl.tree_balance on would change the update: {_balance_unsafe(args)}; use --forkrl.tree_balance "
             "auto (which leaves the rows in place there) or off",
@@ -210,23 +223,6 @@ def check_host_args(args: Any, options: ForkrlOptions) -> None:
 MODEL_FLAGS = ("actor.model_name_or_path", "critic.model_name_or_path", "reward.model_name_or_path")
 
 
-def missing_model(name: str) -> bool:
-    """Whether ``name`` is a local path that does not exist: not a folder or file here, and not a
-    hub id either (absolute, relative with ``.``/``~``, or more than ``namespace/name``), so that
-    loading it could only fail, and only after Ray and the actors have started."""
-    if Path(name).expanduser().exists():
-        return False
-    if name.startswith(("/", ".", "~")) or "\\" in name:
-        return True
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return True
-    return False
-
-
 def check_model_paths(args: Any) -> None:
     """Refuse a model flag whose value is a local path that does not exist (:func:`missing_model`),
     before Ray starts; a hub id is left to Hugging Face (it may be downloaded or cached).
@@ -238,11 +234,7 @@ def check_model_paths(args: Any) -> None:
         value = _get(args, path)
         for name in str(value).split(",") if value else ():
             if missing_model(name.strip()):
-                raise ValueError(
-                    f"--{path} {name.strip()!r}: no such model folder or hub id (the path does not exist here, "
-                    f"and a Hugging Face hub id is 'name' or 'namespace/name'): pass the folder that holds the "
-                    f"model's config.json, or a hub id"
-                )
+                raise ValueError(no_such_model(f"--{path}", name.strip()))
 
 
 def check_vlm_args(args: Any, options: ForkrlOptions) -> None:

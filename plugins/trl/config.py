@@ -46,6 +46,13 @@ class ForkrlOptions(TreeOptions, SpeculativeOptions):
             self._validate_speculative_host()
 
     def _validate_tree_host(self) -> None:
+        if getattr(self, "neftune_noise_alpha", None) is not None:
+            raise ValueError(
+                f"tree_packing/long_context_replay cannot reproduce NEFTune (neftune_noise_alpha={self.neftune_noise_alpha}): "
+                "its noise is drawn per token of each sequence and scaled by each forward's padded length, while a tree "
+                "embeds a shared prefix once for all its sequences, so the noise and its distribution would differ; "
+                "set neftune_noise_alpha=None or turn tree training off"
+            )
         if self.fp16:
             raise ValueError(
                 "tree_packing/long_context_replay do not support fp16 loss scaling (fp16=True): use bf16=True, or turn "

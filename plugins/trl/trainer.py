@@ -40,11 +40,12 @@ from forkrl.core import RowLayout, TreeStep, UnsupportedModelError
 from forkrl.core.balance import OnlineCostModel, forest_stats
 from forkrl.core.executor import Image, RouterLoss, images_from
 from forkrl.core.executor.vision import check_model as check_vision_model
-from forkrl.core.speculative import SelfSpeculativeRollout
+from forkrl.core.speculative import SelfSpeculativeRollout, check_drafter
 from forkrl.core.speculative.vllm_engine import spec_decode_metrics
 from forkrl.core.train import AliasReplica, StepMetrics, StepResult, is_fsdp2
 
 from ..deepspeed import gathered as deepspeed_gathered
+from ..models import missing_model, no_such_model
 from . import compat, vllm_speculative
 from .balance import balance_window, unsafe_reason
 from .config import FORKRL_FIELDS, GRPOConfig, RLOOConfig
@@ -132,6 +133,8 @@ class TreeTrainingMixin:
         options = {k: kwargs.pop(k) for k in list(kwargs) if k in FORKRL_FIELDS}
         arguments = dict(inspect.signature(self._trl_base.__init__).bind(self, *args, **kwargs).arguments)
         arguments.pop("self")
+        if isinstance(arguments.get("model"), str) and missing_model(arguments["model"]):
+            raise ValueError(no_such_model("model", arguments["model"]))
         config = arguments.get("args")
         if config is None:
             model = arguments["model"]
@@ -178,9 +181,15 @@ class TreeTrainingMixin:
             )
 
     # ------------------------------------------------------------------ setup
+    def _unwrapped(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module the tree runs: accelerate's wrappers removed, ``torch.compile``'s too (with
+        ``torch_compile=True`` the trainer compiles at ``train()``; the tree calls the decoder with
+        its own caches and attention, and the compiled module's forward is the same computation)."""
+        return self.accelerator.unwrap_model(model, keep_torch_compile=False)
+
     def _check_tree_setup(self) -> None:
         if self._is_vlm:
-            base = self.accelerator.unwrap_model(self.model)
+            base = self._unwrapped(self.model)
             try:
                 check_vision_model(getattr(base, "get_base_model", lambda: base)())
             except UnsupportedModelError as err:
@@ -190,7 +199,7 @@ class TreeTrainingMixin:
                 "tree_packing does not support torch.nn.DataParallel (n_gpu > 1): launch one process per device "
                 "with `accelerate launch` (DDP)"
             )
-        model = self.accelerator.unwrap_model(self.model)
+        model = self._unwrapped(self.model)
         # What the trainer actually built (an accelerate config file can choose an engine without args.fsdp).
         if getattr(self, "is_deepspeed_enabled", False):
             config = compat.deepspeed_config(self)
@@ -235,6 +244,11 @@ class TreeTrainingMixin:
     def _balance_setting(self) -> bool:
         """Whether each step's rows are rebalanced over the data-parallel ranks (``tree_balance``)."""
         choice = self.args.tree_balance
+        if choice == "on" and self.accelerator.num_processes == 1:
+            raise ValueError(
+                "tree_balance='on' balances rows over data-parallel ranks, and this run has one process, so it "
+                "would have no effect: drop it (the default 'auto' balances when launched on several processes)"
+            )
         if choice == "off" or self.accelerator.num_processes == 1:
             return False
         # Decided once, the same on every rank (the balancer is a collective): a vision-language
@@ -255,7 +269,7 @@ class TreeTrainingMixin:
         return True
 
     def _check_speculative_setup(self) -> None:
-        model = self.accelerator.unwrap_model(self.model)
+        model = self._unwrapped(self.model)
         if hasattr(model, "peft_config"):
             raise ValueError(
                 "speculative_rollout does not support PEFT adapters yet (the drafter quantizes the base weights, not "
@@ -263,6 +277,7 @@ class TreeTrainingMixin:
             )
         if self._is_vlm:
             raise ValueError("speculative_rollout supports text-only models: set speculative_rollout=False")
+        check_drafter(self.args, model)
 
     # ------------------------------------------------------------------ TRL hooks
     def _get_per_token_logps_and_entropies(
@@ -291,7 +306,7 @@ class TreeTrainingMixin:
             layout = _layout(input_ids, attention_mask, logits_to_keep)
             with self.accelerator.autocast():
                 lp, ent = self._tree_step.score(
-                    self.accelerator.unwrap_model(model),
+                    self._unwrapped(model),
                     layout,
                     entropy=compute_entropy,
                     images=_row_images(kwargs, input_ids.shape[0]),
@@ -446,9 +461,7 @@ class TreeTrainingMixin:
         )
         with self.accelerator.autocast():
             if self._engine_replica is None:
-                result = train(
-                    self.accelerator.unwrap_model(model), data_parallel=self.accelerator.num_processes > 1
-                )
+                result = train(self._unwrapped(model), data_parallel=self.accelerator.num_processes > 1)
             else:
                 result = self._train_through_engine(train)
         self._log_tree(result.metrics)

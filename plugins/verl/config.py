@@ -170,6 +170,16 @@ class ForkrlFSDPActorConfig(FSDPActorConfig):
                 "under FSDP2 the tree step runs on a plain replica of the model's class, which does not carry veRL's "
                 f"PEFT wrapping (nor its adapter switch for reference log-probs); set lora_rank=0, or {_OFF.format(node=ACTOR)}"
             )
+        if (
+            actor_tree
+            and self.forkrl["tree_balance"] == "on"
+            and n_gpus // self.ulysses_sequence_parallel_size < 2
+        ):
+            raise ValueError(
+                f"{ACTOR}.forkrl.tree_balance: on balances rows over data-parallel ranks, and this run has one "
+                f"(trainer.n_gpus_per_node x trainer.nnodes = {n_gpus}), so it would have no effect: drop it (the "
+                "default auto balances when there are several)"
+            )
         if actor_tree and model.get("use_fused_kernels"):
             raise ValueError(
                 "forkrl's tree engine cannot run with actor_rollout_ref.model.use_fused_kernels=True: veRL's fused "

@@ -76,7 +76,18 @@ def test_bad_forkrl_flags_are_usage_errors(capsys, argv, needle):
             "a ring-attention group (--ds.ring_attn_size > 1) does not do",
         ),
         (["--ds.param_dtype", "fp16"], "--ds.param_dtype fp16"),
-        (["--forkrl.tree_balance", "on", "--actor.aux_loss_coef", "0.01"], "--forkrl.tree_balance on"),
+        (
+            [
+                "--forkrl.tree_balance",
+                "on",
+                "--actor.aux_loss_coef",
+                "0.01",
+                "--actor.num_gpus_per_node",
+                "2",
+            ],
+            "--forkrl.tree_balance on would change the update",
+        ),
+        (["--forkrl.tree_balance", "on"], "this run has one"),
         (
             ["--train.dynamic_batch_enable", "--train.max_tokens_per_gpu", "64"],
             "--train.dynamic_batch_enable",

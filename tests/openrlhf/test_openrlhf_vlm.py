@@ -358,7 +358,7 @@ def test_video_is_refused_before_anything_changes(monkeypatch):
     [
         (["--ds.packing_samples"], "drop --ds.packing_samples"),
         (["--forkrl.tree_mode", "packed"], "keep or replay mode"),
-        (["--forkrl.tree_balance", "on"], "without their images"),
+        (["--forkrl.tree_balance", "on", "--actor.num_gpus_per_node", "2"], "without their images"),
     ],
     ids=["packing-samples", "packed-mode", "balance-on"],
 )

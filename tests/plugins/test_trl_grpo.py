@@ -92,6 +92,8 @@ CONFIGS = {
     "packed": dict(tree_mode="packed"),
     "gradient-checkpointing": dict(gradient_checkpointing=True),
     "long-context-replay": dict(long_context_replay=True, tree_packing=False, tree_block_size=7),
+    # TRL compiles the model at train(); the tree runs the module under the compiled wrapper
+    "torch-compile": dict(torch_compile=True, torch_compile_backend="eager"),
 }
 
 
@@ -361,6 +363,73 @@ def test_config_validation(tmp_path):
         ftrl.GRPOConfig(**common, speculative_rollout=True, speculative_draft_len=4)
     with pytest.raises(ValueError, match="tree_replay_threshold only applies with tree_mode='auto'"):
         ftrl.GRPOConfig(**common, tree_packing=True, tree_mode="replay", tree_replay_threshold=16384)
+
+
+def _build(tmp_path, model, config=None, **kw):
+    from .trl_helpers import byte_tokenizer
+
+    return ftrl.GRPOTrainer(
+        model=model,
+        reward_funcs=letter_reward,
+        args=config or ftrl.GRPOConfig(**base_args(tmp_path, **kw), tree_packing=True),
+        train_dataset=prompt_dataset(),
+        processing_class=byte_tokenizer(),
+        rollout_func=make_rollout_func(),
+    )
+
+
+def test_settings_no_tree_can_reproduce_are_refused_when_built(model_path, tmp_path):
+    """What a tree cannot make exact is refused by name before training, and what it can is
+    checked before the first rollout (issue-37 findings, tried as a user would)."""
+    from .trl_helpers import save_tiny_llama
+
+    # NEFTune: noise per token of each sequence, scaled by the padded length
+    with pytest.raises(ValueError, match="neftune_noise_alpha=5.0"):
+        ftrl.GRPOConfig(**base_args(tmp_path, neftune_noise_alpha=5.0), tree_packing=True)
+    # attention dropout (a config rate, which TRL's disable_dropout does not reach): one mask per prefix
+    dropout = save_tiny_llama(tmp_path / "dropout", attention_dropout=0.1)
+    with pytest.raises(ValueError, match="attention_dropout=0.1.*same dropout mask"):
+        _build(tmp_path, dropout, disable_dropout=False)
+    with pytest.raises(ValueError, match="attention_dropout=0.1"):
+        _build(tmp_path, dropout, disable_dropout=True)
+    # one process: balancing over ranks would do nothing
+    with pytest.raises(ValueError, match="tree_balance='on'.*one process"):
+        _build(
+            tmp_path,
+            model_path,
+            config=ftrl.GRPOConfig(**base_args(tmp_path), tree_packing=True, tree_balance="on"),
+        )
+    # the default int4 group (128) does not divide the tiny model's width (32): said at build, by name
+    with pytest.raises(ValueError, match="speculative_group_size=128.*in_features=32"):
+        _build(tmp_path, model_path, config=ftrl.GRPOConfig(**base_args(tmp_path), speculative_rollout=True))
+    _build(
+        tmp_path,
+        model_path,
+        config=ftrl.GRPOConfig(**base_args(tmp_path), speculative_rollout=True, speculative_group_size=32),
+    )
+
+
+def test_a_missing_model_folder_is_named(tmp_path):
+    with pytest.raises(ValueError, match="'/no/such/dir': no such model folder or hub id"):
+        ftrl.GRPOTrainer(
+            "/no/such/dir", letter_reward, args=ftrl.GRPOConfig(**base_args(tmp_path), tree_packing=True)
+        )
+
+
+def test_a_model_the_tree_cannot_reproduce_is_refused_for_its_reason_under_bf16(tmp_path):
+    """Under TRL's bf16 autocast the probe still compares log-probs (a BERT-style decoder's head
+    transform runs between decoder and head): the reason is the mismatch, not a dtype error, and it
+    comes when the trainer is built."""
+    from transformers import BertConfig, BertLMHeadModel
+
+    from .trl_helpers import VOCAB
+
+    bert = BertLMHeadModel(
+        BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                   is_decoder=True, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="log-probs differ from the model's forward.*turn tree_packing off"):
+        _build(tmp_path, bert, bf16=True)
 
 
 def test_trl_parser_reads_forkrl_flags_from_the_command_line(tmp_path):

@@ -359,6 +359,16 @@ REFUSED = {
 }
 
 
+def test_tree_balance_on_with_one_rank_is_refused_on_the_driver(model_path):
+    """An option without effect is an error: balancing needs several data-parallel ranks."""
+    one = ["trainer.n_gpus_per_node=1", "trainer.nnodes=1", "actor_rollout_ref.actor.forkrl.tree_balance=on"]
+    with pytest.raises(Exception, match=r"tree_balance: on balances rows.*this run has one"):
+        _validate(_compose("forkrl_tree", model_path, one))
+    _validate(
+        _compose("forkrl_tree", model_path, [*one[:2], "actor_rollout_ref.actor.forkrl.tree_balance=auto"])
+    )
+
+
 @pytest.mark.parametrize("case", list(REFUSED))
 def test_settings_the_tree_does_not_take_are_refused_on_the_driver(case, model_path):
     """Refused when veRL validates the config (``main_ppo.main``, before ``ray.init``), naming the
