@@ -71,10 +71,17 @@ refused with that reason.
 MoE models are exact with their router load-balancing loss too (`tests/core/test_router.py`).
 
 Beyond the sweep: PEFT/LoRA-wrapped models, sdpa and eager attention, gradient checkpointing
-(turned off inside tree passes, with one log line) and dropout (replay reproduces the RNG). A
+(turned off inside tree passes, with one log line). Dropout and router jitter active in training
+are refused (a shared prefix would share one dropout mask among its sequences). A
 model at its real sizes is guarded the same way in use: at first use the executor
 compares the tree's log-probs of a small forest with the model's own forward and refuses a model
 it cannot reproduce.
+
+The table is the core's, with each sequence's positions its own. Hosts add their own rules: TRL
+numbers positions from the padded batch (pad slots counted), so no tree can reproduce its log-probs
+for a model with absolute position embeddings (GPT-2, GPT-SW3, OPT, BioGPT, ...): forkrl's TRL plugin
+refuses those. The veRL and OpenRLHF plugins take them: those hosts number positions from the
+attention mask, as the tree does.
 
 A family is the transformers model module (`transformers.models.<model_type>`, `-` read as `_`) up
 to its version suffix; rows are `model_type` entries, several of which may map to one class{shared}.
