@@ -41,6 +41,7 @@ def rows(seed):
 rounds = [[h.experience(rows(10 * r + k), seed=100 * rank + 10 * r + k) for k in range(2)] for r in range(2)]
 argv = h.command("unused", "--actor.entropy_coef", "0.01", "--forkrl.tree_packing", "--forkrl.tree_balance", {balance!r})
 argv[argv.index("--ds.zero_stage") + 1] = {stage!r}
+argv[argv.index("--actor.num_gpus_per_node") + 1] = "2"  # the two torchrun ranks
 args = h.parse_args(argv)
 stock, s_status = _run(args, tree=False, rounds=rounds, kl_ctl=0.0)
 tree, t_status = _run(args, tree=True, rounds=rounds, kl_ctl=0.0)
