@@ -36,7 +36,10 @@ How Prefix Grouper is wired into transformers 5.x (all of it in this file, nothi
     "eager" is not even a key of ALL_ATTENTION_FUNCTIONS. So this file registers
     "prefix_grouper_sdpa" / "prefix_grouper_eager": the 2D key mask becomes the bottom-right
     aligned causal 4D mask (queries are the last q_len key slots in both of the package's calls),
-    or None (plain is_causal) when nothing is padded and q_len == k_len.
+    or None (plain is_causal) when nothing is padded and q_len == k_len. "prefix_grouper_flash"
+    (CUDA, for batches with nothing padded) calls torch's flash kernel through sdpa with
+    ``causal_lower_right``: no mask is built or read (scripts/gpu_check.py uses it on the GPU).
+  * Several groups per call (``PGBatch``): one row per group, padded on the right.
   * Position ids restart after the prompt for every completion: [0..P-1, P..P+R1-1, P..P+R2-1, ...].
   * The LM head runs only on the completion rows: ``split_output(hidden, include_prefix_last=1)``
     on the final hidden states, then ``lm_head`` (as dense's logits_to_keep does).
@@ -96,14 +99,72 @@ def _pg_eager(module, query, key, value, attention_mask, **kwargs):
     return eager(module, query, key, value, additive, **kwargs)
 
 
+#: How ``_pg_flash`` serves GQA: None until its first call, then "native" (the flash kernel's own
+#: grouped heads, through sdpa's ``enable_gqa``) or "repeated" (keys and values repeated per head).
+FLASH_GQA: list[str | None] = [None]
+
+
+def _lower_right(query, key, value, scale, gqa: bool):
+    from torch.nn.attention.bias import causal_lower_right
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    bias = causal_lower_right(query.shape[2], key.shape[2])
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if gqa:
+        return sdpa(query, key, value, attn_mask=bias, scale=scale, enable_gqa=True)
+    n_rep = query.shape[1] // key.shape[1]
+    return sdpa(query, repeat_kv(key, n_rep), repeat_kv(value, n_rep), attn_mask=bias, scale=scale)
+
+
+def _probe_flash_gqa(query, key) -> str:
+    """Returns "native" when this torch takes ``enable_gqa`` with a lower-right causal bias on this device
+    and dtype, forward and backward, and agrees with repeated keys and values; else "repeated"."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    heads, kv, d = query.shape[1], key.shape[1], query.shape[-1]
+    inputs = [
+        torch.randn(s, generator=g).to(query) for s in ((1, heads, 16, d), (1, kv, 48, d), (1, kv, 48, d))
+    ]
+    try:
+        results = []
+        with torch.enable_grad():
+            for gqa in (True, False):
+                q, k, v = (t.clone().requires_grad_(True) for t in inputs)
+                out = _lower_right(q, k, v, None, gqa)
+                out.float().square().sum().backward()
+                results.append([out.detach(), q.grad, k.grad, v.grad])
+        agree = all(
+            float((a.float() - b.float()).norm()) <= 2e-2 * float(b.float().norm())
+            for a, b in zip(*results, strict=True)
+        )
+        return "native" if agree else "repeated"
+    except (RuntimeError, TypeError):  # this torch's causal-bias dispatch takes no grouped heads
+        return "repeated"
+
+
+def _pg_flash(module, query, key, value, attention_mask, **kwargs):
+    """Inner attention on torch's flash kernel (CUDA, bf16/fp16), for batches with nothing padded
+    (``PGBatch.padded`` False; the mask is then all True and is not read, so no device value is
+    read either): causal, bottom-right aligned through ``causal_lower_right`` (queries are the last
+    ``q_len`` key slots in both of the package's calls). GQA natively where a first-use probe finds
+    that torch's dispatch takes ``enable_gqa`` with a causal bias, else by repeating keys and
+    values (:data:`FLASH_GQA`)."""
+    scale = kwargs.get("scaling") or getattr(module, "scaling", None)
+    gqa = query.shape[1] != key.shape[1]
+    if gqa and FLASH_GQA[0] is None:
+        FLASH_GQA[0] = _probe_flash_gqa(query, key)
+    out = _lower_right(query, key, value, scale, gqa and FLASH_GQA[0] == "native")
+    return out.transpose(1, 2).contiguous(), None
+
+
 def register_prefix_grouper() -> None:
-    """Register Prefix Grouper's attention and the two CPU inner attentions with transformers."""
+    """Register Prefix Grouper's attention and the inner attentions (sdpa, eager, flash) with transformers."""
     from prefix_grouper.utils.register_transformers import register_attention
     from transformers import AttentionInterface
 
     register_attention()
     AttentionInterface.register("prefix_grouper_sdpa", _pg_sdpa)
     AttentionInterface.register("prefix_grouper_eager", _pg_eager)
+    AttentionInterface.register("prefix_grouper_flash", _pg_flash)
 
 
 @contextlib.contextmanager
@@ -116,38 +177,74 @@ def _attention(model, name: str):
         model.config._attn_implementation = old
 
 
-class PGBatch:
-    """One GRPO group (shared prompt, completions of any lengths) laid out by Prefix Grouper."""
+def _groups(seqs, score_from) -> list[tuple[int, list[int]]]:
+    """Consecutive rows sharing a prompt (the tokens before their ``score_from``): (P, row indices)."""
+    groups: list[tuple[int, list[int]]] = []
+    for i, (s, sf) in enumerate(zip(seqs, score_from, strict=True)):
+        if groups:
+            P, rows = groups[-1]
+            if sf == P and torch.equal(s[:P], seqs[rows[0]][:P]):
+                rows.append(i)
+                continue
+        groups.append((sf, [i]))
+    return groups
 
-    def __init__(self, seqs, score_from, coefs):
+
+class PGBatch:
+    """GRPO groups (each a shared prompt and completions of any lengths; a group's rows consecutive)
+    laid out by Prefix Grouper: one row per group, [prompt | completion 1 | completion 2 | ...].
+
+    Args:
+        seqs: the rows' token tensors.
+        score_from: where each row's completion starts (its prompt length).
+        coefs: per row, ``[len - score_from]`` coefficients of its log-probs.
+        device: where the layout and the grouper's indices live (the model's device).
+    """
+
+    def __init__(self, seqs, score_from, coefs, device=None):
         from prefix_grouper import PrefixGrouper
 
-        P = score_from[0]
-        prompt = seqs[0][:P]
-        if any(sf != P or not torch.equal(s[:P], prompt) for s, sf in zip(seqs, score_from, strict=True)):
-            raise ValueError("prefix_grouper_compare expects one group: every sequence shares the prompt")
-        comps = [s[P:] for s in seqs]
-        G, Rm = len(comps), max(len(c) for c in comps)
-        cids = torch.zeros(G, Rm, dtype=torch.long)
-        cmask = torch.zeros(G, Rm, dtype=torch.bool)
-        self.coef = torch.zeros(G, Rm, dtype=coefs[0].dtype)
+        device = torch.device(device if device is not None else "cpu")
+        groups = _groups(seqs, score_from)
+        comps = [s[sf:] for s, sf in zip(seqs, score_from, strict=True)]
+        Pm, Rm = max(P for P, _ in groups), max(len(c) for c in comps)
+        pids = torch.zeros(len(groups), Pm, dtype=torch.long)
+        pmask = torch.zeros(len(groups), Pm, dtype=torch.bool)
+        for g, (P, rows) in enumerate(groups):
+            pids[g, :P], pmask[g, :P] = seqs[rows[0]][:P], True
+        cids = torch.zeros(len(comps), Rm, dtype=torch.long)
+        cmask = torch.zeros(len(comps), Rm, dtype=torch.bool)
+        self.coef = torch.zeros(len(comps), Rm, dtype=coefs[0].dtype)
         for i, (c, k) in enumerate(zip(comps, coefs, strict=True)):
             cids[i, : len(c)], cmask[i, : len(c)], self.coef[i, : len(c)] = c, True, k
-        pmask = torch.ones(1, P, dtype=torch.bool)
-        self.grouper = PrefixGrouper.from_ungrouped_masks(pmask, cmask, group_sizes=G, padding_mode="right")
-        self.input_ids = self.grouper.concat_input(prompt[None], pmask, cids, cmask)
-        self.position_ids = torch.cat([torch.arange(P)] + [torch.arange(P, P + len(c)) for c in comps])[None]
+        self.padded = not (bool(pmask.all()) and bool(cmask.all()))
+        pids, pmask, cids, cmask = (t.to(device) for t in (pids, pmask, cids, cmask))
+        self.grouper = PrefixGrouper.from_ungrouped_masks(
+            pmask, cmask, group_sizes=[len(rows) for _, rows in groups], device=device, padding_mode="right"
+        )
+        self.input_ids = self.grouper.concat_input(pids, pmask, cids, cmask)
+        self.position_ids = torch.zeros_like(self.input_ids)
+        for g, (P, rows) in enumerate(groups):
+            pos = torch.cat([torch.arange(P)] + [torch.arange(P, P + len(comps[i])) for i in rows])
+            self.position_ids[g, : len(pos)] = pos.to(self.position_ids.device)
         self.targets = self.grouper.convert_padding(cids, cmask, padding_mode="right")
+        self.padding_mask = self.grouper.padding_mask.to(device)
+        self.coef = self.coef.to(device)
         self.lengths = [len(c) for c in comps]
 
 
 def pg_step(model, batch: PGBatch, inner: str = "prefix_grouper_sdpa", grad: bool = True):
-    """Prefix Grouper forward (+ backward of sum(coef * logprob)); returns per-completion log-probs."""
+    """Prefix Grouper forward (+ backward of sum(coef * logprob)); returns per-completion log-probs.
+    ``inner="prefix_grouper_flash"`` only for batches with nothing padded (``batch.padded`` False)."""
     pg = batch.grouper
+    if inner == "prefix_grouper_flash" and batch.padded:
+        raise ValueError(
+            "the flash inner attention takes batches with nothing padded: use prefix_grouper_sdpa"
+        )
     with torch.set_grad_enabled(grad), _attention(model, PG_ATTN):
         hidden = model.model(
             input_ids=batch.input_ids,
-            attention_mask=pg.padding_mask,
+            attention_mask=batch.padding_mask,
             position_ids=batch.position_ids,
             use_cache=False,
             prefix_grouper=pg,
@@ -260,7 +357,10 @@ def main() -> None:
     ap.add_argument("--R", type=int, default=256, help="completion length")
     ap.add_argument("--methods", default="dense,keep,prefix_grouper")
     ap.add_argument(
-        "--pg-inner", default="sdpa", choices=("sdpa", "eager"), help="Prefix Grouper's inner attention"
+        "--pg-inner",
+        default="sdpa",
+        choices=("sdpa", "eager", "flash"),
+        help="Prefix Grouper's inner attention (flash: CUDA)",
     )
     ap.add_argument("--dense-tokens", type=int, default=16384, help="tokens per dense micro-batch")
     ap.add_argument(

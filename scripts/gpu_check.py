@@ -1,32 +1,47 @@
-"""One prepared run of everything forkrl can only check on a GPU (issue 14), about 6-7 minutes on an H200.
+"""One prepared GPU run of everything forkrl can only check on a GPU (issues 14 and 38), at most
+8 minutes on one H100 or H200.
 
 Runs from a plain copy of the working tree: no install step, no network (forkrl is mapped from the
-tree's folders when it is not installed). Each stage has its own time budget, is skipped when the
-run's budget left cannot hold it, and its result (or its error) is written to
-``<out>/gpu_check.json`` as soon as it ends, so a run cut short still reports what it did.
+tree's folders when it is not installed; the wheels of ``scripts/gpu_wheels.sh``, carried as
+``build/gpu_wheels``, are unpacked and appended to ``sys.path``). Each stage has its own time
+budget, is skipped when the run's budget left is under its minimum, and its result (or its error)
+is written to ``<out>/gpu_check.json`` as soon as it ends (and as it goes), so a run cut short still
+reports what it did. The profiles go to ``<out>/gpu_check_profiles.md``. The end of the output is a
+table per training shape, then one line of JSON.
 
-    python scripts/gpu_check.py --out "$OUT"                 # the GPU run
-    python scripts/gpu_check.py --out /tmp/g --device cpu --quick   # the smoke test CI runs
+    bash scripts/gpu_wheels.sh                                   # here, once: build/gpu_wheels (2 MB)
+    python scripts/gpu_check.py --out "$OUT"                     # the GPU run (carry build/gpu_wheels)
+    python scripts/gpu_check.py --out /tmp/g --device cpu --tiny # the CPU smoke test CI runs
 
-Stages (``--stages`` picks some):
-    env          versions, device, memory, which attention kernels the device has
-    ops          op semantics the CUDA paths rely on: the flash op's output and log-sum-exp against
-                 a float64 reference (GQA folded, causal, fewer queries than keys), its backward
-    attention    forkrl's split attention on the device (bf16 and float32) against sdpa with a
-                 mask: output and gradients, the kernel the selector picked
-    exactness    TreeExecutor keep / replay / packed on tiny Llama and Qwen3 models (float32 and
-                 bf16) against plain per-sequence autograd: log-probs and gradients
-    precision    the tree under bf16/fp16 autocast over float32 parameters (the CUDA flash kernels and
-                 FlexAttention meeting mixed float32/half inputs) against stock under the same
-                 autocast and float32: the precision criterion of tests/core/test_precision.py
-    training     dense vs keep (sibling batches) vs keep one-leaf-at-a-time vs packed on a
-                 0.5B-shaped random Llama, bf16, P=8192, G=16, R=512: time, peak memory
-    long_context replay with the exact prompt gradient: peak memory at G=2 and G=8, then the
-                 longest prompt that fits within the stage's budget (doubling)
-    drafter      int4/int8 kernel probe, drafter matmul time at batch 1-64 against bf16, exact
-                 greedy equality of the speculative sampler, a rollout plain vs speculative
-    profile      dense and keep at the training shape under torch.profiler: device-busy share of
-                 the wall time, kernel launches, top ops (tables in <out>/profile_<method>.txt)
+Stages (``--stages`` picks some), in run order, with their budget / minimum seconds and, in
+brackets, what one H100 should take (estimated from the FLOP counts and the H200 run of
+2026-12-04, benchmarks/results/gpu.md; not yet measured). The defaults (450 s) hold them all but,
+where the estimates run long, the last ones (drafter, then long_context) are skipped:
+    env           10 /  5  (1)    versions, device, memory, attention kernels, carried wheels
+    ops           20 /  5  (2)    the flash op's output, log-sum-exp and backward against float64
+    attention     20 /  5  (1)    forkrl's split attention against sdpa with a mask (bf16, float32)
+    train_0.5b   100 / 40  (75)   Qwen2.5-0.5B widths, bf16, one group P=8192 G=16 R=512
+    train_7b     110 / 50  (70)   Qwen2.5-7B widths, bf16, one group P=4096 G=8 R=1024 (13 of 28
+                                  layers on an H100, 27 on an H200: below)
+    train_math   100 / 40  (100)  0.5B widths, math RL: 32 groups x G=8, P=256, R=512
+    trl           70 / 40  (30)   stock trl.GRPOTrainer vs forkrl tree_packing, 0.5B widths, P=2048
+                                  G=8 R=512, bf16 (skipped with the reason when trl does not import)
+    exactness     50 / 30  (31)   keep / replay / packed against per-sequence autograd, tiny models
+    precision     30 / 20  (17)   the tree under bf16/fp16 autocast against stock (test_precision)
+    long_context  60 / 30  (42)   replay with the exact prompt gradient: memory at G=2 and G=8,
+                                  then the longest prompt the budget reaches
+    drafter       60 / 30  (59)   int4/int8 kernels, the drafter's matmul time, greedy equality
+``--tiny`` multiplies the budgets by 4 and runs on one thread (a shared CPU).
+
+The training stages (scripts/gpu/training.py) compare dense, keep, replay, packed and Prefix
+Grouper on one model: executors built and verified before the clock, a warm-up call of each at
+the full shape with its gradient checked against dense's, then at least 3 rounds with the methods
+alternating call by call, each call between CUDA events, the median reported; then one profiled
+call per method (device busy = the union of kernel intervals). Per method: median ms, device-busy
+ms, FLOPs, achieved x (dense time over the method's), ideal x (dense FLOPs over the method's),
+achieved/ideal, peak GiB, gradient error. The 7B widths keep 28 layers only where every method's
+predicted peak fits 90% of the card (scripts/gpu/shapes.py); otherwise the layers are cut and the
+stage's ``memory_plan.cut`` says from what, to what and why.
 """
 
 from __future__ import annotations
@@ -35,7 +50,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
-import platform
+import os
 import signal
 import sys
 import time
@@ -93,6 +108,7 @@ class Report:
         self.path = out / "gpu_check.json"
         self.data: dict = {"args": vars(args), "stages": {}}
         out.mkdir(parents=True, exist_ok=True)
+        (out / "gpu_check_profiles.md").unlink(missing_ok=True)  # the training stages append to it
         self.write()
 
     def write(self) -> None:
@@ -107,630 +123,35 @@ class Report:
             )
 
 
-# ---------------------------------------------------------------------------- helpers
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(device, fn):
-    _sync(device)
-    t0 = time.perf_counter()
-    out = fn()
-    _sync(device)
-    return time.perf_counter() - t0, out
-
-
-@contextlib.contextmanager
-def _peak(device, box: dict, key: str):
-    """Peak device memory (MB) above the start of the block, into ``box[key]``."""
-    import torch
-
-    if device.type != "cuda":
-        yield
-        return
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    try:
-        yield
-    finally:
-        torch.cuda.synchronize(device)
-        box[key] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
-
-
-def _rel(got, want) -> float:
-    got = [g.detach().double().cpu() for g in got]
-    want = [w.detach().double().cpu() for w in want]
-    scale = max(float(w.norm()) for w in want) or 1.0
-    return max(float((g - w).norm()) for g, w in zip(got, want, strict=True)) / scale
-
-
-def _free(device) -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-# ---------------------------------------------------------------------------- stages
-
-
-def stage_env(ctx) -> dict:
-    import torch
-    import transformers
-
-    dev = ctx.device
-    out = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "forkrl": ctx.forkrl_source,
-        "device": str(dev),
-        "cuda": torch.version.cuda,
-    }
-    try:
-        import triton
-
-        out["triton"] = triton.__version__
-    except ImportError:
-        out["triton"] = None
-    if dev.type == "cuda":
-        props = torch.cuda.get_device_properties(dev)
-        out.update(
-            name=props.name,
-            memory_gib=props.total_memory / 2**30,
-            capability=list(
-                props.major_minor() if hasattr(props, "major_minor") else (props.major, props.minor)
-            ),
-        )
-        out["flash_sdp"] = torch.backends.cuda.flash_sdp_enabled()
-        out["mem_efficient_sdp"] = torch.backends.cuda.mem_efficient_sdp_enabled()
-    ops = ("_scaled_dot_product_flash_attention", "_flash_attention_forward", "_efficient_attention_forward")
-    out["aten_ops"] = {name: hasattr(torch.ops.aten, name) for name in ops}
-    try:
-        from torch.nn.attention import flex_attention  # noqa: F401
-
-        out["flex_attention"] = True
-    except ImportError:
-        out["flex_attention"] = False
-    return out
-
-
-def _reference_attention(q, k, v, causal: bool, scale: float):
-    """float64 attention with bottom-right causal alignment; ``[B, H, q, d]`` out and ``[B, H, q]`` lse."""
-    import torch
-
-    q, k, v = q.double(), k.double(), v.double()
-    n_rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1)
-    s = (q @ k.transpose(-1, -2)) * scale
-    if causal:
-        ql, kl = q.shape[2], k.shape[2]
-        mask = torch.arange(ql, device=q.device)[:, None] + (kl - ql) >= torch.arange(kl, device=q.device)
-        s = s.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    return torch.softmax(s, -1) @ v, lse
-
-
-def stage_ops(ctx) -> dict:
-    """The flash kernel forkrl's split attention calls on this device, against float64."""
-    import torch
-
-    from forkrl.core.attention import split as attn
-
-    dev = ctx.device
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    kernels = attn.kernels_for(dev, dtype)
-    if kernels is None:
-        return {"status": "skipped", "why": f"no split-attention kernel for {dev} {dtype}"}
-    fwd, bwd = kernels
-    g = torch.Generator(device="cpu").manual_seed(0)
-    out = {"dtype": str(dtype)}
-    for name, (b, h, kv, ql, kl, causal) in {
-        "causal_self": (2, 8, 8, 128, 128, True),
-        "unmasked_past": (1, 4, 4, 512, 1024, False),
-        "causal_fewer_queries": (1, 4, 4, 64, 256, True),
-    }.items():
-        q = torch.randn(b, h, ql, 64, generator=g).to(dev, dtype)
-        k = torch.randn(b, kv, kl, 64, generator=g).to(dev, dtype)
-        v = torch.randn(b, kv, kl, 64, generator=g).to(dev, dtype)
-        scale = 64**-0.5
-        o, lse = fwd(q, k, v, 0.0, causal, scale=scale)
-        o_ref, lse_ref = _reference_attention(q, k, v, causal, scale)
-        if causal and ql < kl:  # which alignment the kernel uses (the split never relies on it)
-            o_top, _ = _reference_attention(q, k[:, :, :ql], v[:, :, :ql], True, scale)
-            out[f"{name}/top_left_err"] = _rel([o], [o_top])
-        dout = torch.randn_like(o)
-        dq, dk, dv = bwd(dout, q, k, v, o, lse, 0.0, causal, scale=scale)
-        qr, kr, vr = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-        o2, _ = _reference_attention(qr, kr, vr, causal, scale)
-        o2.backward(dout.double())
-        out[name] = {
-            "lse_shape": list(lse.shape),
-            "out_err": _rel([o], [o_ref]),
-            "lse_err": _rel([lse], [lse_ref]),
-            "grad_err": _rel([dq, dk, dv], [qr.grad, kr.grad, vr.grad]),
-        }
-    return out
-
-
-def stage_attention(ctx) -> dict:
-    """forkrl's split attention (a batch of siblings over shared pieces, GQA) against sdpa with a mask."""
-    import torch
-
-    from forkrl.core.attention import PastPieces, split_attention
-    from forkrl.core.attention import split as attn
-
-    dev = ctx.device
-    out = {}
-    for dtype in (torch.bfloat16, torch.float32) if dev.type == "cuda" else (torch.float32,):
-        g = torch.Generator(device="cpu").manual_seed(1)
-        b, h, kv, ql, d, pieces = 4, 8, 2, 96, 64, (700, 300)
-        q = torch.randn(b, h, ql, d, generator=g).to(dev, dtype).requires_grad_(True)
-        ks = torch.randn(b, kv, ql, d, generator=g).to(dev, dtype).requires_grad_(True)
-        vs = torch.randn(b, kv, ql, d, generator=g).to(dev, dtype).requires_grad_(True)
-        kp = [torch.randn(1, kv, n, d, generator=g).to(dev, dtype).requires_grad_(True) for n in pieces]
-        vp = [torch.randn(1, kv, n, d, generator=g).to(dev, dtype).requires_grad_(True) for n in pieces]
-        key = ks.view_as(ks)
-        key.forkrl_past = PastPieces(kp, vp)
-        o, _ = split_attention(None, q, key, vs, None, scaling=d**-0.5)
-        dout = torch.randn_like(o)
-        leaves = [q, ks, vs, *kp, *vp]
-        got = torch.autograd.grad(o, leaves, dout)
-        # Reference: float64, the context expanded per sequence, a bottom-right causal mask.
-        ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
-        ref = attn.reference_attention(*ref_leaves[:3], ref_leaves[3:5], ref_leaves[5:], d**-0.5)
-        ref = ref.transpose(1, 2)  # split_attention returns [b, q, h, d]
-        want = torch.autograd.grad(ref, ref_leaves, dout.double())
-        out[str(dtype)] = {
-            "kernel": "split" if attn.kernels_for(dev, dtype) is not None else "fallback (sdpa with a mask)",
-            "out_err": _rel([o], [ref]),
-            "grad_err": _rel(got, want),
-        }
-    return out
-
-
-def stage_exactness(ctx) -> dict:
-    import torch
-
-    from forkrl.core import PrefixForest, TreeExecutor
-    from forkrl.core.testing.models import dense_logprobs
-    from forkrl.core.testing.models import tiny_causal_lm as make_model
-    from tests.core.forests import deep_tree, grpo_group
-
-    dev = ctx.device
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    out = {}
-    dtypes = (torch.float32, torch.bfloat16) if dev.type == "cuda" else (torch.float32,)
-    for name in ("llama-gqa", "qwen3"):
-        for dtype in dtypes:
-            for forest_name, make in (("grpo", lambda: grpo_group(group=6)), ("deep", deep_tree)):
-                model = make_model(name, dtype=dtype).to(dev)
-                seqs, sf = make()
-                g = torch.Generator().manual_seed(3)
-                coefs = [torch.randn(len(s) - f, generator=g).to(dev) for s, f in zip(seqs, sf, strict=True)]
-                model.zero_grad(set_to_none=True)
-                lps, _ = dense_logprobs(model, seqs, sf)
-                sum((lp * c).sum() for lp, c in zip(lps, coefs, strict=True)).backward()
-                g_ref = [p.grad.detach().clone() for p in model.parameters()]
-                forest = PrefixForest.build(seqs, sf)
-                for mode, block in (("keep", None), ("replay", 3), ("packed", None)):
-                    model.zero_grad(set_to_none=True)
-                    ex = TreeExecutor(model, mode=mode, block_size=block)
-                    res = ex.backward(forest, [c.float() for c in coefs])
-                    got = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
-                    out[f"{name}/{dtype}/{forest_name}/{mode}"] = {
-                        "logprob_err": _rel(res.logprobs, [lp.detach() for lp in lps]),
-                        "grad_err": _rel(got, g_ref),
-                    }
-    _exact_moe_and_state(dev, dtypes, out)
-    worst = {"packed_backend": _packed_backend(dev)}
-    for key, r in out.items():
-        dtype = key.split("/")[1]
-        worst[dtype] = max(worst.get(dtype, 0.0), r["grad_err"])
-    backend = worst.pop("packed_backend")
-    return {"worst_grad_err": worst, "packed_backend": backend, "cases": out}
-
-
-def _exact_moe_and_state(dev, dtypes, out: dict) -> None:
-    """The MoE router loss (Qwen3-MoE, its sums on the device) and a Mamba-2 + attention layer
-    (Falcon-H1, transformers' torch scan on the device) against the plain computation."""
-    import torch
-
-    from forkrl.core import PrefixForest, TreeExecutor
-    from forkrl.core.executor import RouterLoss
-    from forkrl.core.testing.models import dense_logprobs
-    from forkrl.core.testing.models import tiny_causal_lm as make_model
-    from tests.core.test_router import _stock, _window
-
-    for name, modes in (("qwen3moe", ("keep", "replay", "packed")), ("falconh1", ("keep", "replay"))):
-        for dtype in dtypes:
-            model = make_model(name, dtype=dtype).to(dev)
-            seqs, sf, rows = _window()
-            weights = [0.3, 0.7, 0.5]
-            g = torch.Generator().manual_seed(3)
-            coefs = [torch.randn(len(s) - f, generator=g).to(dev) for s, f in zip(seqs, sf, strict=True)]
-            model.zero_grad(set_to_none=True)
-            if name == "qwen3moe":
-                values = _stock(model, seqs, sf, rows, weights, coefs)
-            else:
-                lps, _ = dense_logprobs(model, seqs, sf)
-                sum((lp * c).sum() for lp, c in zip(lps, coefs, strict=True)).backward()
-            g_ref = [p.grad.detach().clone() for p in model.parameters()]
-            forest = PrefixForest.build(seqs, sf)
-            for mode in modes:
-                model.zero_grad(set_to_none=True)
-                router = RouterLoss(weights).bind(forest, rows) if name == "qwen3moe" else None
-                ex = TreeExecutor(model, mode=mode, block_size=3 if mode == "replay" else None)
-                ex.backward(forest, [c.float() for c in coefs], router=router)
-                got = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
-                case = {"grad_err": _rel(got, g_ref)}
-                if router is not None:
-                    case["aux_err"] = float((router.values().cpu() - values.cpu().double()).abs().max())
-                out[f"{name}/{dtype}/window/{mode}"] = case
-
-
-def _packed_backend(dev) -> str:
-    from forkrl.core.executor import packed
-
-    if not packed._use_flex(dev):
-        return "dense mask" + (
-            " (FlexAttention failed: see the log)" if str(dev) in packed._FLEX_FAILED else ""
-        )
-    return "FlexAttention BlockMask"
-
-
-def _half_b(quick: bool):
-    """A 0.5B-shaped Llama (Qwen2.5-0.5B's widths), or a small one for the smoke test."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if quick:
-        fields = dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=512,
-        )
-    else:
-        fields = dict(
-            hidden_size=896,
-            intermediate_size=4864,
-            num_hidden_layers=24,
-            num_attention_heads=14,
-            num_key_value_heads=2,
-            vocab_size=151936,
-        )
-    cfg = LlamaConfig(max_position_embeddings=1 << 21, **fields)
-    cfg._attn_implementation = "sdpa"
-    return LlamaForCausalLM(cfg)
-
-
-def stage_training(ctx) -> dict:
-    import torch
-
-    from benchmarks.tree_training import dense_step, grpo_batch
-    from forkrl.core import PrefixForest, TreeExecutor
-
-    dev, quick = ctx.device, ctx.quick
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    P, G, R = (64, 4, 16) if quick else (8192, 16, 512)
-    model = _half_b(quick).to(dev, dtype)
-    model.gradient_checkpointing_disable()
-    seqs, sf, coefs = grpo_batch(P, G, R, model.config.vocab_size)
-    forest = PrefixForest.build(seqs, sf)
-    row = {"P": P, "G": G, "R": R, "dtype": str(dtype), "ideal_token_ratio": forest.compression}
-    methods = {
-        "dense": lambda: dense_step(model, seqs, sf, coefs, 16384, grad=True),
-        "keep": lambda: TreeExecutor(model, mode="keep").backward(forest, coefs),
-        "keep1": lambda: TreeExecutor(model, mode="keep", leaf_batch_tokens=1).backward(forest, coefs),
-        "packed": lambda: TreeExecutor(model, mode="packed").backward(forest, coefs),
-    }
-    # Warm-up on a small batch, every method (kernels, allocator, the split's self-check).
-    w_seqs, w_sf, w_coefs = grpo_batch(64, 4, 16, model.config.vocab_size)
-    w_forest = PrefixForest.build(w_seqs, w_sf)
-    dense_step(model, w_seqs, w_sf, w_coefs, 16384, grad=True)
-    for kwargs in ({"mode": "keep"}, {"mode": "keep", "leaf_batch_tokens": 1}, {"mode": "packed"}):
-        TreeExecutor(model, **kwargs).backward(w_forest, w_coefs)
-    for name, fn in methods.items():
-        model.zero_grad(set_to_none=True)
-        _free(dev)
-        try:
-            with _peak(dev, row, f"{name}_peak_mb"):
-                row[f"{name}_s"], _ = _timed(dev, fn)
-        except torch.OutOfMemoryError as err:
-            row[f"{name}_error"] = f"out of memory: {str(err)[:200]}"
-        ctx.partial(row)
-    row["packed_backend"] = _packed_backend(dev)
-    for name in ("keep", "keep1", "packed"):
-        if f"{name}_s" in row and "dense_s" in row:
-            row[f"{name}_speedup"] = row["dense_s"] / row[f"{name}_s"]
-    if "keep_s" in row and "packed_s" in row:
-        row["keep_over_packed"] = row["packed_s"] / row["keep_s"]
-    return row
-
-
-def stage_long_context(ctx) -> dict:
-    import torch
-
-    from benchmarks.tree_training import grpo_batch
-    from forkrl.core import PrefixForest, TreeExecutor
-
-    dev, quick = ctx.device, ctx.quick
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    model = _half_b(quick).to(dev, dtype)
-    R, block = (16, 64) if quick else (512, 4096)
-    P0 = 256 if quick else 32768
-    out: dict = {"R": R, "block": block, "dtype": str(dtype)}
-
-    def run(P: int, G: int) -> dict:
-        seqs, sf, coefs = grpo_batch(P, G, R, model.config.vocab_size)
-        forest = PrefixForest.build(seqs, sf)
-        ex = TreeExecutor(model, mode="replay", block_size=block, prompt_grad="exact")
-        model.zero_grad(set_to_none=True)
-        _free(dev)
-        r: dict = {"P": P, "G": G}
-        with _peak(dev, r, "peak_mb"):
-            r["seconds"], _ = _timed(dev, lambda: ex.backward(forest, coefs))
-        return r
-
-    out["g2"] = run(P0, 2)
-    ctx.partial(out)
-    out["g8"] = run(P0, 8)
-    if "peak_mb" in out["g2"]:
-        out["g8_over_g2_memory"] = out["g8"]["peak_mb"] / out["g2"]["peak_mb"]
-    ctx.partial(out)
-    P, fits = P0 * 2, []
-    limit = P0 * 4 if quick else 1 << 21
-    while P <= limit and ctx.left() > 30:
-        try:
-            fits.append(run(P, 2))
-        except torch.OutOfMemoryError:
-            out["first_oom_P"] = P
-            break
-        out["fits"] = fits
-        ctx.partial(out)
-        # The next doubling must fit in the time left (attention grows with P squared).
-        if fits[-1]["seconds"] * 4.5 > ctx.left():
-            break
-        P *= 2
-    out["longest_P"] = fits[-1]["P"] if fits else P0
-    return out
-
-
-def stage_drafter(ctx) -> dict:
-    import torch
-
-    from forkrl.core.quant import linear as qlinear
-    from forkrl.core.speculative import Drafter, SpeculationPolicy, SpeculativeSampler
-
-    dev, quick = ctx.device, ctx.quick
-    out: dict = {"kernels": {}}
-    for bits in (4, 8):
-        out["kernels"][f"int{bits}"] = qlinear._pick_kernel(bits, dev, 128)
-    # Matmul time, one layer of 4096 x 4096 (bf16 dense vs the drafter's kernel), batch 1-64.
-    k = 256 if quick else 4096
-    layer = torch.nn.Linear(k, k, bias=False).to(dev, torch.bfloat16)
-    table = {}
-    for bits in (4, 8):
-        q = qlinear.QuantLinear(k, k, bits=bits, device=dev)
-        q.load_(layer.weight)
-        table[f"int{bits}/kernel"] = q.kernel
-        for b in (1, 4, 16, 64):
-            x = torch.randn(b, k, device=dev, dtype=torch.bfloat16)
-            reps = 5 if quick else 50
-            t_q, _ = _timed(dev, lambda q=q, x=x, reps=reps: [q(x) for _ in range(reps)])
-            t_d, _ = _timed(dev, lambda x=x, reps=reps: [layer(x) for _ in range(reps)])
-            table[f"int{bits}/b{b}"] = {"quant_us": 1e6 * t_q / reps, "bf16_us": 1e6 * t_d / reps}
-    out["matmul"] = table
-    ctx.partial(out)
-    # Exact greedy equality and a rollout on a model large enough to be weight-bandwidth-bound.
-    model = _half_b(quick).to(dev, torch.bfloat16).eval()
-    vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, vocab, (4, 32), generator=g).to(dev)
-    new = 16 if quick else 128
-    drafter = Drafter.from_policy(model, bits=4, group_size=32 if quick else 128)
-    out["drafter_kernel"] = drafter.kernel
-    plain = SpeculativeSampler(model, None, SpeculationPolicy.never())
-    spec = SpeculativeSampler(model, drafter, SpeculationPolicy.fixed(4))
-    t_plain, a = _timed(dev, lambda: plain.generate(prompts, max_new_tokens=new, temperature=0.0))
-    t_spec, b = _timed(dev, lambda: spec.generate(prompts, max_new_tokens=new, temperature=0.0))
-    t_hf, ref = _timed(
-        dev, lambda: model.generate(prompts, max_new_tokens=new, do_sample=False, min_new_tokens=new)
-    )
-    out["greedy"] = {
-        "plain_equals_generate": bool(torch.equal(a.sequences[:, : ref.shape[1]], ref)),
-        "speculative_equals_plain": bool(torch.equal(a.sequences, b.sequences)),
-        "first_difference": _first_difference(a.sequences, b.sequences, prompts.shape[1]),
-        "plain_s": t_plain,
-        "speculative_s": t_spec,
-        "hf_generate_s": t_hf,
-        "acceptance": b.stats.as_metrics().get("spec/acceptance"),
-    }
-    ctx.partial(out)
-    # bf16 verification scores k+1 tokens in one pass and plain decoding one at a time: a random
-    # model's near-tied logits can flip an argmax by rounding alone. In float32 (TF32 off) greedy
-    # equality is the sampler's contract, not rounding's.
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        model = model.float()
-        drafter = Drafter.from_policy(model, bits=4, group_size=32 if quick else 128)
-        plain = SpeculativeSampler(model, None, SpeculationPolicy.never())
-        spec = SpeculativeSampler(model, drafter, SpeculationPolicy.fixed(4))
-        n32 = min(new, 32)
-        a = plain.generate(prompts, max_new_tokens=n32, temperature=0.0)
-        b = spec.generate(prompts, max_new_tokens=n32, temperature=0.0)
-        out["greedy_float32"] = {
-            "speculative_equals_plain": bool(torch.equal(a.sequences, b.sequences)),
-            "first_difference": _first_difference(a.sequences, b.sequences, prompts.shape[1]),
-            "acceptance": b.stats.as_metrics().get("spec/acceptance"),
-        }
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-    return out
-
-
-def _first_difference(a, b, start: int) -> int | None:
-    """The first generated position (from 0) where two ``[B, L]`` token batches differ, or None."""
-    n = min(a.shape[1], b.shape[1])
-    diff = (a[:, start:n] != b[:, start:n]).any(0).nonzero()
-    return int(diff[0]) if len(diff) else None
-
-
-def stage_precision(ctx) -> dict:
-    """Tree passes under the host's autocast (bf16; fp16 on CUDA) over float32 parameters: mixed
-    float32/half inputs reach the split attention's kernels (CUDA flash under autocast) and the
-    FlexAttention tree mask. Per case, ``|tree - fp32|`` and ``|tree - stock|`` over
-    ``|stock - fp32|`` on the log-probs and the gradient (tests/core/test_precision.py's criterion:
-    0.5 .. 1.5 and < 1.5)."""
-    import torch
-
-    from forkrl.core import PrefixForest, TreeExecutor
-    from forkrl.core.testing import Bf16Rounding
-    from forkrl.core.testing.models import dense_logprobs
-    from forkrl.core.testing.models import tiny_causal_lm as make_model
-    from tests.core.forests import deep_tree, grpo_group
-
-    dev = ctx.device
-    a, fa = grpo_group(seed=3, group=6)
-    b, fb = deep_tree()
-    seqs, sf = a + b, fa + fb
-    g = torch.Generator().manual_seed(7)
-    coefs = [torch.randn(len(s) - f, generator=g).to(dev) for s, f in zip(seqs, sf, strict=True)]
-    flat = lambda xs: torch.cat([x.detach().double().flatten().cpu() for x in xs])  # noqa: E731
-
-    def stock(model):
-        model.zero_grad(set_to_none=True)
-        lps, _ = dense_logprobs(model, seqs, sf)
-        sum((lp.float() * c).sum() for lp, c in zip(lps, coefs, strict=True)).backward()
-        return flat(lps), flat([p.grad for p in model.parameters()])
-
-    def tree(model, mode):
-        model.zero_grad(set_to_none=True)
-        forest = PrefixForest.build(seqs, sf)
-        ex = TreeExecutor(model, mode=mode, block_size=3 if mode == "replay" else None)
-        scored = ex.score(forest)
-        ex.backward(forest, coefs)
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
-        return flat(scored.logprobs), flat(grads)
-
-    half = (torch.bfloat16, torch.float16) if dev.type == "cuda" else (torch.bfloat16,)
-    out, worst = {}, {"off_max": 0.0, "off_min": float("inf"), "near_max": 0.0}
-    for name in ("llama-gqa", "qwen3"):
-        model = make_model(name, dtype=torch.float32).to(dev)
-        exact = stock(model)
-        for dtype in half:
-            with torch.autocast(dev.type, dtype=dtype):
-                ref = stock(model)
-                for mode in ("keep", "replay", "packed"):
-                    got = tree(model, mode)
-                    case = {}
-                    for i, what in enumerate(("logprobs", "grad")):
-                        rounding = Bf16Rounding(f"{name} {dtype} {mode} {what}", got[i], ref[i], exact[i])
-                        off, near = rounding.off, rounding.near
-                        case[what] = {"off": off, "near": near}
-                        worst["off_max"], worst["off_min"] = (
-                            max(worst["off_max"], off),
-                            min(worst["off_min"], off),
-                        )
-                        worst["near_max"] = max(worst["near_max"], near)
-                    out[f"{name}/{dtype}/{mode}"] = case
-            ctx.partial({"cases": out})
-    ok = worst["off_min"] >= 0.5 and worst["off_max"] <= 1.5 and worst["near_max"] < 1.5
-    return {"criterion_met": ok, "worst": worst, "packed_backend": _packed_backend(dev), "cases": out}
-
-
-def stage_profile(ctx) -> dict:
-    """Where the time goes at the training stage's shape (dense and keep): the device-busy share of
-    the wall time (low: launch- or host-bound), kernel launches, and the top ops by device time; the
-    full tables go to ``<out>/profile_<method>.txt``."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from benchmarks.tree_training import dense_step, grpo_batch
-    from forkrl.core import PrefixForest, TreeExecutor
-
-    dev, quick = ctx.device, ctx.quick
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    P, G, R = (64, 4, 16) if quick else (8192, 16, 512)
-    model = _half_b(quick).to(dev, dtype)
-    seqs, sf, coefs = grpo_batch(P, G, R, model.config.vocab_size)
-    forest = PrefixForest.build(seqs, sf)
-    methods = {
-        "dense": lambda: dense_step(model, seqs, sf, coefs, 16384, grad=True),
-        "keep": lambda: TreeExecutor(model, mode="keep").backward(forest, coefs),
-    }
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    out: dict = {"P": P, "G": G, "R": R, "dtype": str(dtype)}
-    for name, fn in methods.items():
-        model.zero_grad(set_to_none=True)
-        fn()  # warm-up
-        model.zero_grad(set_to_none=True)
-        _sync(dev)
-        t0 = time.perf_counter()
-        with profile(activities=activities) as prof:
-            fn()
-            _sync(dev)
-        wall = time.perf_counter() - t0
-        events = prof.key_averages()
-        dev_us = lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))  # noqa: E731
-        busy = sum(dev_us(e) for e in events) / 1e6
-        launches = sum(e.count for e in events if "cudaLaunchKernel" in e.key or "LaunchKernel" in e.key)
-        top = sorted(events, key=dev_us, reverse=True)[:12]
-        out[name] = {
-            "wall_s_profiled": wall,
-            "device_busy_s": busy,
-            "device_busy_share": busy / wall if wall else None,
-            "kernel_launches": launches,
-            "top_ops": [
-                {
-                    "op": e.key[:80],
-                    "count": e.count,
-                    "device_ms": dev_us(e) / 1e3,
-                    "cpu_ms": e.self_cpu_time_total / 1e3,
-                }
-                for e in top
-            ],
-        }
-        sort = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
-        try:
-            table = events.table(sort_by=sort, row_limit=40)
-        except Exception:  # noqa: BLE001 - an older torch names the column self_cuda_time_total
-            table = events.table(sort_by="self_cuda_time_total" if dev.type == "cuda" else sort, row_limit=40)
-        (ctx.report.path.parent / f"profile_{name}.txt").write_text(table)
-        ctx.partial(out)
-    return out
-
-
+#: name -> (module, function, budget seconds, minimum seconds): a stage runs when the run's budget
+#: left is at least its minimum, for at most min(budget, left).
 STAGES = {
-    "env": (stage_env, 10),
-    "ops": (stage_ops, 30),
-    "attention": (stage_attention, 30),
-    "exactness": (stage_exactness, 60),
-    "precision": (stage_precision, 40),
-    "training": (stage_training, 150),
-    "long_context": (stage_long_context, 90),
-    "drafter": (stage_drafter, 60),
-    "profile": (stage_profile, 150),
+    "env": ("checks", "stage_env", 10, 5),
+    "ops": ("checks", "stage_ops", 20, 5),
+    "attention": ("checks", "stage_attention", 20, 5),
+    "train_0.5b": ("training", "stage_train_05b", 100, 40),
+    "train_7b": ("training", "stage_train_7b", 110, 50),
+    "train_math": ("training", "stage_train_math", 100, 40),
+    "trl": ("trl_stage", "stage_trl", 70, 40),
+    "exactness": ("checks", "stage_exactness", 50, 30),
+    "precision": ("checks", "stage_precision", 30, 20),
+    "long_context": ("checks", "stage_long_context", 60, 30),
+    "drafter": ("checks", "stage_drafter", 60, 30),
 }
 
 
+#: ``--stages`` names standing for several stages.
+ALIASES = {"training": ["train_0.5b", "train_7b", "train_math"]}
+#: ``--tiny`` stage budgets over the GPU's.
+TINY_BUDGET_FACTOR = 4
+
+
 class Context:
-    def __init__(self, device, quick: bool, deadline: float, report: Report, forkrl_source: str) -> None:
-        self.device, self.quick, self.deadline = device, quick, deadline
-        self.report, self.forkrl_source = report, forkrl_source
+    """What a stage sees: the device, the sizes, the clock, the report."""
+
+    def __init__(self, device, tiny: bool, deadline: float, report: Report, forkrl_source: str, wheels: dict):
+        self.device, self.tiny, self.deadline = device, tiny, deadline
+        self.report, self.forkrl_source, self.wheels = report, forkrl_source, wheels
         self.current = ""
         self.stage_deadline = deadline
 
@@ -742,49 +163,119 @@ class Context:
         self.report.stage(self.current, {"status": "running", **result})
 
 
+def _stage_fn(name: str):
+    import importlib
+
+    module, fn, _, _ = STAGES[name]
+    return getattr(importlib.import_module(f"gpu.{module}"), fn)
+
+
+def _run_stage(ctx: Context, name: str) -> str:
+    """Run one stage under its budget; returns its status (its result is in the report)."""
+    _, _, budget, minimum = STAGES[name]
+    if ctx.tiny:  # the budgets are the GPU's; a shared CPU may run the smoke sizes far slower
+        budget *= TINY_BUDGET_FACTOR
+    left = ctx.deadline - time.monotonic()
+    if left < minimum:
+        ctx.report.stage(
+            name, {"status": "skipped", "why": f"{left:.0f} s left of the run's budget (needs {minimum})"}
+        )
+        return "skipped"
+    ctx.current, t0 = name, time.monotonic()
+    ctx.stage_deadline = t0 + min(budget, left)
+    try:
+        with _alarm(min(budget, left)):
+            result = _stage_fn(name)(ctx)
+        status = result.pop("status", "ok")
+    except (Exception, StageTimeout) as err:  # noqa: BLE001 - every failure is a result of the check
+        previous = ctx.report.data["stages"].get(name, {})
+        result = {k: v for k, v in previous.items() if k != "status"}
+        result["error"] = "".join(traceback.format_exception_only(type(err), err)).strip()[-2000:]
+        result["traceback"] = traceback.format_exc()[-4000:]
+        status = "timeout" if isinstance(err, StageTimeout) else "error"
+    from gpu.checks import free
+
+    free(ctx.device)
+    ctx.report.stage(name, {"status": status, "seconds": time.monotonic() - t0, **result})
+    return status
+
+
+def _summary(stages: dict) -> dict:
+    keys = ("ms", "busy_ms", "achieved_x", "ideal_x", "achieved_over_ideal", "peak_gib", "grad_error")
+    out = {}
+    for name, result in stages.items():
+        if "rows" in result:
+            out[name] = {r["method"]: {k: r[k] for k in keys if k in r} for r in result["rows"]}
+            out[name]["token_ratio"] = result.get("token_ratio")
+        elif name == "trl" and "speedup" in result:
+            out[name] = {k: result[k] for k in ("stock_ms", "tree_ms", "speedup", "grad_error")}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="folder for gpu_check.json")
+    ap.add_argument("--out", required=True, help="folder for gpu_check.json and gpu_check_profiles.md")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--budget", type=float, default=460.0, help="seconds for the whole run")
-    ap.add_argument("--quick", action="store_true", help="tiny shapes (the CPU smoke test)")
+    ap.add_argument("--budget", type=float, default=450.0, help="seconds for the whole run")
+    ap.add_argument(
+        "--tiny", action="store_true", help="tiny shapes of the same structure (the CPU smoke test)"
+    )
+    ap.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)  # the old name of --tiny
     ap.add_argument("--stages", default=",".join(STAGES), help=f"comma list of: {', '.join(STAGES)}")
+    ap.add_argument(
+        "--wheels",
+        default=str(REPO / "build" / "gpu_wheels"),
+        help="folder of scripts/gpu_wheels.sh's wheels",
+    )
     args = ap.parse_args()
+    args.tiny = args.tiny or args.quick
+    stages = [t for s in args.stages.split(",") for t in ALIASES.get(s, [s])]
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        hint = " (each training stage now profiles its own methods)" if "profile" in unknown else ""
+        ap.error(f"unknown stage(s) {unknown}{hint}: pick from {', '.join(STAGES)}, or 'training'")
+    # Alternating methods of very different shapes near the card's capacity fragments the default
+    # allocator's segments; set before torch starts CUDA (a value already set is kept).
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     start = time.monotonic()
     report = Report(Path(args.out), args)
     source = _import_forkrl()
+    sys.path.insert(0, str(REPO / "scripts"))  # the stages: scripts/gpu as the package `gpu`
+    from gpu.training import print_tables
+    from gpu.trl_stage import print_trl
+    from gpu.wheels import put_on_path
+
+    wheels = put_on_path(Path(args.wheels))
+    wheels["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
     import torch
 
+    if args.tiny:
+        # Many small ops, each split over every core, wait for the slowest thread whenever another
+        # process holds a core (20 s became 160 s on a shared 2-core machine): one thread.
+        torch.set_num_threads(1)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         report.stage("env", {"status": "error", "error": "CUDA is not available", "seconds": 0.0})
         sys.exit(1)
-    ctx = Context(device, args.quick, start + args.budget, report, source)
-    failed = 0
-    for name in args.stages.split(","):
-        fn, budget = STAGES[name]
-        left = ctx.deadline - time.monotonic()
-        if left < min(budget, 20):
-            report.stage(name, {"status": "skipped", "why": f"{left:.0f} s left of the run's budget"})
-            continue
-        ctx.current, t0 = name, time.monotonic()
-        ctx.stage_deadline = t0 + min(budget, left)
-        try:
-            with _alarm(min(budget, left)):
-                result = fn(ctx)
-            status = result.pop("status", "ok")
-        except (Exception, StageTimeout) as err:  # noqa: BLE001 - every failure is a result of the check
-            previous = report.data["stages"].get(name, {})
-            result = {k: v for k, v in previous.items() if k != "status"}
-            result["error"] = "".join(traceback.format_exception_only(type(err), err)).strip()[-2000:]
-            result["traceback"] = traceback.format_exc()[-4000:]
-            status = "timeout" if isinstance(err, StageTimeout) else "error"
-            failed += status == "error"
-        _free(device)
-        report.stage(name, {"status": status, "seconds": time.monotonic() - t0, **result})
+    ctx = Context(device, args.tiny, start + args.budget, report, source, wheels)
+    statuses = [_run_stage(ctx, name) for name in stages]
+    failed = statuses.count("error")
     report.data["seconds"] = time.monotonic() - start
     report.write()
-    print(json.dumps({"gpu_check": str(report.path), "failed": failed, "seconds": report.data["seconds"]}))
+    print_tables(report.data["stages"])
+    print_trl(report.data["stages"].get("trl", {}))
+    print()
+    print(
+        json.dumps(
+            {
+                "gpu_check": str(report.path),
+                "failed": failed,
+                "statuses": dict(zip(stages, statuses, strict=True)),
+                "seconds": report.data["seconds"],
+                "summary": _summary(report.data["stages"]),
+            }
+        )
+    )
     sys.exit(1 if failed else 0)
 
 
