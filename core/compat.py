@@ -40,6 +40,7 @@ __all__ = [
     "PRIVATES",
     "Private",
     "check_private",
+    "function_source",
     "parameter_names",
     "Cache",
     "DynamicCache",
@@ -95,7 +96,7 @@ __all__ = [
 ]
 
 #: The versions every entry below was read from and tested against.
-CHECKED = "torch 2.13.0, transformers 5.24.0"
+CHECKED = "torch 2.13.0, transformers 5.25.0"
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,22 @@ def parameter_names(fn: Callable) -> list[str]:
     if isinstance(fn, nn.Module):
         return [n for n in inspect.signature(type(fn).forward).parameters][1:]  # without self
     return list(inspect.signature(fn).parameters)
+
+
+def function_source(module, name: str) -> str:
+    """The source of module-level function ``name`` of ``module`` (from ``def``, without decorators),
+    read from the module's own source: from 5.25 transformers (with the ``kernels`` package it
+    depends on) replaces some of them by a module instance (``kernels``' ``use_kernel_forward_from_hub``
+    on a function), whose class ``inspect`` cannot locate."""
+    import ast
+
+    text = inspect.getsource(module)
+    node = next(
+        n
+        for n in ast.parse(text).body
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == name
+    )
+    return ast.get_source_segment(text, node)
 
 
 def check_private(private: Private, library: str, checked: str) -> None:
@@ -344,9 +361,14 @@ def _check_state_layer() -> None:
     ]
 
 
-def seed_state_layer(layer: LinearAttentionLayer, conv: torch.Tensor, recurrent: torch.Tensor | None) -> None:
-    """Give a conv/recurrent layer its parent's final states (``[B, C, kernel]``, recurrent or None)."""
+def seed_state_layer(
+    layer: LinearAttentionLayer, conv: torch.Tensor, recurrent: torch.Tensor | None, past_len: int
+) -> None:
+    """Give a conv/recurrent layer its parent's final states (``[B, C, kernel]``, recurrent or None)
+    after ``past_len`` positions (from 5.25 the layer counts them for ``get_seq_length``)."""
     layer.device, layer.dtype = conv.device, conv.dtype
+    if hasattr(layer, "cumulative_length_linear"):
+        layer.cumulative_length_linear = torch.tensor(past_len, device=conv.device)
     layer.conv_states[0] = conv
     layer.is_conv_states_initialized[0] = True
     layer.has_previous_state[0] = True
@@ -380,31 +402,51 @@ def record_past(layer: LinearAttentionLayer) -> None:
     layer.record_past = True
 
 
-# Mamba-2 mixers whose one-token step writes the cache's recurrent state in place (record_past
-# covers their conv; the SSM step ignores it).
+# Mamba-2 mixers whose one-token step writes the recurrent state in place (record_past covers
+# their conv; the SSM step ignores it). Up to transformers 5.24 the mixer steps the cache's own
+# state; from 5.25 its module-level ``mamba2_scan_forward`` steps a copy (``recurrent_state.clone()``)
+# and stores that copy through ``update_recurrent_state``, so the copy must end up holding the new state.
 _SSM_MODULES = ("bamba", "falcon_h1", "granitemoehybrid", "mamba2", "nemotron_h", "zamba2")
 _SSM_STEP = "mamba2_selective_state_update"
 _SSM_ARGS = ["state", "hidden_states", "dt", "A", "B", "C", "D", "dt_bias", "dt_softplus", "z", "kwargs"]
+_SSM_SCAN_FORWARD = "mamba2_scan_forward"  # 5.25: the mixers' scan, read from and stored to the cache
+
+
+def _steps_a_copy(module) -> bool:
+    """Whether the module's mixers step a copy of the cache's state and store the copy (5.25 on)."""
+    return hasattr(module, _SSM_SCAN_FORWARD)
 
 
 @_private(
-    "transformers.models.{bamba,falcon_h1,granitemoehybrid,mamba2,nemotron_h,zamba2}.mamba2_selective_state_update",
+    "transformers.models.{bamba,falcon_h1,granitemoehybrid,mamba2,nemotron_h,zamba2}.mamba2_selective_state_update "
+    "(and, from 5.25, mamba2_scan_forward)",
     "the Mamba-2 one-token SSM step (a module global the mixers call) writes the recurrent state in place "
-    "(state.copy_), which autograd cannot take through a state restored from a tree node: tree passes swap in "
-    "an out-of-place step with the same arguments",
+    "(state.copy_ after reading it), which autograd cannot take through a state restored from a tree node: tree "
+    "passes swap in a step with the same arguments that reads the state out of place; up to 5.24 the mixer steps "
+    "the cache's state and the new one rides on it, from 5.25 mamba2_scan_forward steps a clone and stores that "
+    "clone, which the swapped step then overwrites with the new state",
 )
 def _check_ssm_step() -> None:
     import importlib
+    import re
 
     for name in _SSM_MODULES:
         module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
         assert parameter_names(getattr(module, _SSM_STEP)) == _SSM_ARGS, name
+        if _steps_a_copy(module):
+            assert re.search(rf"{_SSM_SCAN_FORWARD}\(\s*self,", inspect.getsource(module)), name
+            src = function_source(module, _SSM_SCAN_FORWARD)
+            assert "next_state = recurrent_state.clone()" in src, name
+            assert re.search(rf"{_SSM_STEP}\(\s*next_state,", src), name
+            assert "cache.update_recurrent_state(next_state, module.layer_idx)" in src, name
+        else:
+            assert re.search(rf"{_SSM_STEP}\(\s*recurrent_state,", inspect.getsource(module)), name
 
 
-def _ssm_step(state, hidden_states, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False, z=None, **kwargs):
+def _ssm_update(state, hidden_states, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False, z=None):
     """One Mamba-2 SSM step, out of place: ``h' = exp(dt A) h + dt B x``, ``y = C h' + D x`` (gated
     by ``silu(z)``), shapes as transformers' step (``state [b, heads, head_dim, n]``, ``x, dt
-    [b, heads, head_dim]``, ``B, C [b, groups, n]``); the next state rides on ``state.forkrl_next``."""
+    [b, heads, head_dim]``, ``B, C [b, groups, n]``). Returns ``(y, h')``, ``h'`` in ``state``'s dtype."""
     batch, heads, head_dim = hidden_states.shape
     groups, n = B.shape[1], B.shape[-1]
     if dt_bias is not None:
@@ -419,14 +461,32 @@ def _ssm_step(state, hidden_states, dt, A, B, C, D=None, dt_bias=None, dt_softpl
 
     inflow = (dt * per_head(B)[:, :, None, :] * hidden_states[..., None]).to(device=state.device)
     ssm = state * decay + inflow
-    state.forkrl_next = ssm.to(state.dtype)
+    new_state = ssm.to(state.dtype)
     ssm = ssm.to(device=C.device, dtype=C.dtype)
     out = (ssm * per_head(C)[:, :, None, :]).sum(-1)
     if D is not None:
         out = (out + hidden_states * D).to(out.dtype)
     if z is not None:
         out = out * torch.nn.functional.silu(z)
-    return out.to(hidden_states.dtype)
+    return out.to(hidden_states.dtype), new_state
+
+
+def _ssm_step(state, hidden_states, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False, z=None, **kwargs):
+    """:func:`_ssm_update` where the mixer steps the cache's own state (up to 5.24): that state is
+    left as it was (a view of the parent's leaf tensor) and the next one rides on ``state.forkrl_next``."""
+    out, state.forkrl_next = _ssm_update(state, hidden_states, dt, A, B, C, D, dt_bias, dt_softplus, z)
+    return out
+
+
+def _ssm_step_on_copy(
+    state, hidden_states, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False, z=None, **kwargs
+):
+    """:func:`_ssm_update` where the mixer steps a copy it then stores (5.25 on): the copy, which only
+    ``clone`` produced and nothing saved, takes the new state in place; the update reads a second
+    copy, so no tensor autograd saved is overwritten."""
+    out, new_state = _ssm_update(state.clone(), hidden_states, dt, A, B, C, D, dt_bias, dt_softplus, z)
+    state.copy_(new_state)
+    return out
 
 
 def ssm_step_modules(model: nn.Module) -> list:
@@ -441,10 +501,10 @@ def ssm_step_modules(model: nn.Module) -> list:
 @contextlib.contextmanager
 def out_of_place_ssm_step(modules: list) -> Iterator[None]:
     """For the duration, the Mamba-2 mixers of ``modules`` (:func:`ssm_step_modules`) take
-    :func:`_ssm_step` for one-token steps."""
+    :func:`_ssm_step` (or :func:`_ssm_step_on_copy`) for one-token steps."""
     saved = [(m, getattr(m, _SSM_STEP)) for m in modules]
     for m, _ in saved:
-        setattr(m, _SSM_STEP, _ssm_step)
+        setattr(m, _SSM_STEP, _ssm_step_on_copy if _steps_a_copy(m) else _ssm_step)
     try:
         yield
     finally:
@@ -455,22 +515,28 @@ def out_of_place_ssm_step(modules: list) -> Iterator[None]:
 # Mamba-1 mixers (selective scan, one SSM state per channel; Zamba's split into heads). Their torch
 # path starts every multi-token input from a zero state (a module global the mixers call) and steps
 # single tokens in place; a tree pass hides the parent's state from the mixer and hands it to
-# forkrl's scan instead (:mod:`forkrl.core.executor.scan`).
+# forkrl's scan instead (:mod:`forkrl.core.executor.scan`). From 5.25 Mamba, FalconMamba and Jamba
+# read and store the state in a module-level ``mamba_scan_forward(mixer, ...)`` (Zamba still inline).
 _SCAN_MODULES = ("mamba", "falcon_mamba", "jamba", "zamba")
 _SCAN = "mamba_selective_scan"
 _SCAN_ARGS = ["hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus", "return_last_state"]  # fmt: skip
 _SCAN_MIXER_ARGS = ["self", "hidden_states", "cache", "attention_mask", "kwargs"]
+_SCAN_FORWARD = "mamba_scan_forward"
 
 
 @_private(
-    "transformers.models.{mamba,falcon_mamba,jamba,zamba}.mamba_selective_scan and *MambaMixer.forward",
+    "transformers.models.{mamba,falcon_mamba,jamba,zamba}.mamba_selective_scan and *MambaMixer.forward "
+    "(from 5.25, mamba_scan_forward and Cache.get_recurrent_states_to_keep)",
     "Mamba-1 mixers scan multi-token input from a zero state (transformers' torch path takes no initial "
     "state) and step single tokens in place: tree passes swap the module global for a scan that starts from "
     "the parent's state (same arguments), and hide that state from the mixer (layer_idx, the cache's "
-    "recurrent state) so it always takes the scan",
+    "recurrent state) so it always takes the scan; from 5.25 the mixer's mamba_scan_forward does this reading "
+    "and storing, and steps a few last tokens one by one only where the cache asks for intermediate states "
+    "(never for forkrl's layers)",
 )
 def _check_scan() -> None:
     import importlib
+    import re
 
     for name in _SCAN_MODULES:
         module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
@@ -480,7 +546,18 @@ def _check_scan() -> None:
         for mixer in mixers:
             assert parameter_names(mixer.forward) == _SCAN_MIXER_ARGS, mixer
             src = inspect.getsource(mixer.forward)
-            assert "cache.get_recurrent_state(self.layer_idx" in src and f"{_SCAN}(" in src, mixer
+            if hasattr(module, _SCAN_FORWARD):
+                assert re.search(rf"{_SCAN_FORWARD}\(\s*self,", src), mixer
+                src = function_source(module, _SCAN_FORWARD)
+                assert "cache.get_recurrent_state(module.layer_idx" in src, name
+                assert "cache.update_recurrent_state(last_recurrent_state, module.layer_idx)" in src, name
+            else:
+                assert "cache.get_recurrent_state(self.layer_idx" in src, mixer
+            assert f"{_SCAN}(" in src, mixer
+    if hasattr(Cache, "get_recurrent_states_to_keep"):
+        layer = LinearAttentionLayer(number_of_states=1)
+        record_past(layer)
+        assert Cache(layers=[layer]).get_recurrent_states_to_keep(0) == 0
 
 
 def scan_mixers(model: nn.Module) -> list[nn.Module]:

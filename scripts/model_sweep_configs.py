@@ -41,6 +41,7 @@ OVERRIDES: dict[str, dict] = {
                  attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
                  ffn_config=dict(ffn_hidden_size=48, moe_num_experts=4, moe_top_k=2)),
     "dots1": dict(n_shared_experts=1),  # default None: the shared expert's width is a product with it
+    "kolibri1_1": dict(head_dim=16, index_num_heads=2),  # default head sizes exceed the tiny hidden size
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),  # default pattern is None
     "zamba": dict(num_hidden_layers=3, layer_types=["linear_attention", "hybrid", "hybrid"], n_mamba_heads=2,
                   use_mamba_kernels=False, mamba_dt_rank=4, attention_head_dim=8, **_MAMBA),  # shared block twice

@@ -167,7 +167,7 @@ def _state_layer(past: LayerPast, past_len: int, batch: int, layer=None):
         recurrent = None
         if len(nearest) > 1:  # an alias per forward: a one-token SSM step leaves its result on it
             recurrent = layer.seeded_recurrent = nearest[1].view_as(nearest[1])
-        compat.seed_state_layer(layer, nearest[0], recurrent)
+        compat.seed_state_layer(layer, nearest[0], recurrent, past_len)
     return layer
 
 

@@ -31,7 +31,7 @@ __all__ = [
     "unwrap_for_generation",
 ]
 
-CHECKED = "trl 1.16.0, transformers 5.24.0, accelerate 1.15.0"
+CHECKED = "trl 1.16.0, transformers 5.25.0, accelerate 1.15.0"
 
 
 @dataclass(frozen=True)

@@ -77,3 +77,28 @@ def test_parameter_names_read_through_a_function_wrapped_in_a_module():
     assert compat.parameter_names(Wrapped()) == compat.parameter_names(plain) == [
         "state", "hidden_states", "dt", "kwargs"
     ]  # fmt: skip
+
+
+def test_function_source_reads_a_function_wrapped_in_a_module(tmp_path, monkeypatch):
+    """From 5.25 (with ``kernels``) transformers' module-level Mamba scans are module instances
+    whose class ``inspect`` cannot find: the source checks read the function from the module's file."""
+    import importlib
+    import inspect
+
+    import torch
+
+    (tmp_path / "wrapped_fn_module.py").write_text(
+        "def scan_forward(module, cache):\n    return cache.get_recurrent_state(module.layer_idx)\n\n\n"
+        "def other():\n    return 0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("wrapped_fn_module")
+    plain = compat.function_source(module, "scan_forward")
+    assert plain == inspect.getsource(module.scan_forward).rstrip("\n")
+    wrapper = type("Func", (torch.nn.Module,), {"forward": lambda self, *args, **kwargs: None})
+    monkeypatch.setattr(module, "scan_forward", wrapper())
+    with pytest.raises((OSError, TypeError)):
+        inspect.getsource(type(module.scan_forward))
+    assert compat.function_source(module, "scan_forward") == plain
+    assert plain.startswith("def scan_forward(") and "get_recurrent_state(module.layer_idx)" in plain
+    assert "def other" not in plain

@@ -104,3 +104,67 @@ def test_mamba1_follows_the_hosts_precision(monkeypatch, name, precision):
 
     monkeypatch.setattr(split, "MIN_SPLIT_ELEMENTS", 0)
     check_follows_the_hosts_precision(name, precision, "replay")
+
+
+def _step_inputs():
+    """One Mamba-2 step's arguments in float64, each a fresh leaf (2 heads of width 3 in one group,
+    state size 4)."""
+    g = torch.Generator().manual_seed(11)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
+
+    state = rand(2, 2, 3, 4)  # [b, heads, head_dim, n]
+    kwargs = dict(
+        hidden_states=rand(2, 2, 3), dt=rand(2, 2, 3), A=-torch.rand(2, 3, 4, generator=g, dtype=torch.float64),
+        B=rand(2, 1, 4), C=rand(2, 1, 4), D=rand(2, 3), dt_bias=rand(2, 3), dt_softplus=True, z=rand(2, 2, 3),
+    )  # fmt: skip
+    return state, kwargs
+
+
+def _plain_step(state, hidden_states, dt, A, B, C, D, dt_bias, dt_softplus, z):
+    """The Mamba-2 recurrence for one token, written out: (y, new state)."""
+    dt = torch.nn.functional.softplus(dt + dt_bias)[..., None]  # [b, heads, head_dim, 1]
+    new = state * torch.exp(dt * A) + dt * B[:, :, None, :] * hidden_states[..., None]  # one group: all heads
+    y = (new * C[:, :, None, :]).sum(-1) + hidden_states * D
+    return y * torch.nn.functional.silu(z), new
+
+
+@pytest.mark.parametrize("form", ["rides_on_the_state", "written_into_the_copy"])
+def test_mamba2_step_forms_are_exact_and_take_a_backward(form):
+    """The one-token Mamba-2 step tree passes swap in, in both forms: up to transformers 5.24 the
+    mixer steps the cache's state (a view of the parent's leaf) and the new state rides on it; from
+    5.25 the mixer steps a clone it then stores, which must end up holding the new state. Both give
+    the recurrence's output, new state and every input's gradient in float64, and transformers' own
+    step gives the same values but cannot take a backward through the previous state."""
+    from transformers.models.mamba2 import modeling_mamba2
+
+    from forkrl.core import compat
+
+    def run(step):
+        state, kw = _step_inputs()
+        if step is _plain_step:
+            out, new_state = _plain_step(state, **kw)
+        elif form == "rides_on_the_state":
+            seen = state.view_as(state)
+            out = step(seen, **kw)
+            new_state = seen.forkrl_next
+        else:
+            new_state = state.clone()
+            out = step(new_state, **kw)
+        values = [out.detach().clone(), new_state.detach().clone()]
+        (out.sum() + new_state.square().sum()).backward()
+        return values, [state.grad] + [
+            t.grad for t in kw.values() if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+
+    with Float64Mode():
+        want, want_grads = run(_plain_step)
+        got, got_grads = run(compat._ssm_step if form == "rides_on_the_state" else compat._ssm_step_on_copy)
+        assert max_rel_err(got, want) < TOL and max_rel_err(got_grads, want_grads) < TOL
+        state, kw = _step_inputs()
+        copy = state.clone()
+        out = modeling_mamba2.mamba2_selective_state_update(copy, **kw)
+        assert max_rel_err([out, copy], want) < TOL
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            (out.sum() + copy.square().sum()).backward()

@@ -219,7 +219,7 @@ def test_a_probe_that_falls_back_leaves_autocast_as_the_host_set_it():
 
     torch.manual_seed(0)
     config = transformers.FalconConfig(
-        vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4
+        vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=True
     )
     model = transformers.FalconForCausalLM(config).eval()
     seqs, sf = grpo_group(prompt=9, group=3)
