@@ -56,6 +56,13 @@ def test_trl_step_benchmark(extra):
     assert res["benchmark"] == "trl_step" and res["grad_agreement"] < 1e-4
 
 
+def test_launch_budget_benchmark():
+    res = _run("launch_budget", "--layers", "2", "--shapes", "one")
+    rows = {r["method"]: r for r in res["rows"]}
+    assert set(rows) == {"dense", "keep", "replay", "packed"}
+    assert all(rows[m]["syncs"] == 0 and rows[m]["decoder_runs"] >= 1 for m in ("keep", "replay", "packed"))
+
+
 def test_balance_sim_benchmark():
     res = _run("balance_sim", "--ranks", "8", "--shapes", "grpo,multiturn", "--groups-per-rank", "2")
     assert res["benchmark"] == "balance_sim" and len(res["rows"]) == 2

@@ -12,6 +12,7 @@ which is FlexAttention's ``mask_mod`` form as well as the dense boolean mask bel
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 __all__ = ["subtree_ends", "tree_mask"]
@@ -32,7 +33,7 @@ def subtree_ends(node_lengths: list[int], parents: list[int]) -> torch.Tensor:
         p = parents[i]
         if p >= 0:
             end[p] = max(end[p], end[i])
-    return torch.repeat_interleave(torch.tensor(end, dtype=torch.long), torch.tensor(node_lengths))
+    return torch.from_numpy(np.repeat(np.asarray(end, dtype=np.int64), node_lengths))  # host: no tensor op
 
 
 def tree_mask(ends: torch.Tensor) -> torch.Tensor:

@@ -18,19 +18,29 @@ Only one root-to-leaf path is alive at a time.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from torch.profiler import record_function
 
 from .. import attention
 from ..tree import PrefixForest, Unit, plan
 from .cache import LayerPast, NodeKV, recorded
 from .head import ScoredHead
 from .router import RouterPass, token_nodes
+from .staging import HeadRowsBuilder
 from .vision import VisionBatch
 
 __all__ = ["DepthFirstPass", "Step"]
+
+
+def phase(name: str) -> contextlib.AbstractContextManager:
+    """A profiler label for a phase of the pass (``gpu_check``'s tables), only while a profiler
+    runs: a label is itself a dispatched op."""
+    return record_function(name) if torch.autograd.profiler._is_profiler_enabled else contextlib.nullcontext()
 
 
 class Step(enum.Enum):
@@ -82,11 +92,13 @@ class DepthFirstPass:
         block = executor.block_size if (executor.mode == "replay" or not grad) else None
         self.units, self.roots = plan(forest, block)
         self.replay = grad and executor.mode == "replay"
+        self.device = executor.device
+        self.batches = self._schedule()
+        self._stage()
         self.past: list[LayerPast] = [[] for _ in range(self.adapter.num_layers)]
         self.past_len = 0
         self.frames: dict[int, _Frame] = {}
         self.arenas: dict[int, list] = {}  # node -> per-layer cache buffers shared by its blocks
-        self.device = executor.device
 
     def run(self) -> None:
         stack: list[tuple[Step, object]] = [(Step.ENTER, r) for r in reversed(self.roots)]
@@ -97,7 +109,7 @@ class DepthFirstPass:
             elif step is Step.LEAVE:
                 self.leave(arg)
             else:
-                self.leaves([self.units[i] for i in arg])
+                self.leaves(*arg)
 
     # ------------------------------------------------------------------ steps
     def enter(self, u: int) -> list[tuple[Step, object]]:
@@ -105,7 +117,8 @@ class DepthFirstPass:
         unit = self.units[u]
         frame = _Frame()
         frozen = self.grad and unit.context_only and self.ex.prompt_grad == "none"
-        kv = self._forward_down(unit, frame, frozen)
+        with phase("forkrl.prompt_forward"):
+            kv = self._forward_down(u, frame, frozen)
         if unit.children:
             frame.leaves = self._cache_leaves(unit, kv, self.grad and not frozen)
             if frozen:
@@ -115,10 +128,10 @@ class DepthFirstPass:
             self.past_len += len(unit.tokens)
         self.frames[u] = frame
         steps: list[tuple[Step, object]] = [(Step.LEAVE, u)]
-        leaf_kids = [c for c in unit.children if self._batchable(self.units[c])]
-        batched = set(leaf_kids)
+        batches = self.batches.get(u, [])
+        batched = {c for b in batches for c in b}
         children = [c for c in unit.children if c not in batched]
-        steps += [(Step.LEAVES, b) for b in self._leaf_batches(leaf_kids)]
+        steps += [(Step.LEAVES, (u, b)) for b in reversed(range(len(batches)))]  # popped: shortest first
         return steps + [(Step.ENTER, c) for c in reversed(children)]
 
     def leave(self, u: int) -> None:
@@ -134,23 +147,25 @@ class DepthFirstPass:
         if not self.grad:
             return
         if frame.kv is None:  # replay: forward again with grad (forwards draw no random numbers)
-            hidden, frame.kv, frame.router = self._forward(unit)
-            frame.hidden_rows, frame.hidden_grad = self.head.unit(unit, hidden[0], grad=True)
+            hidden, frame.kv, frame.router = self._forward(u)
+            frame.hidden_rows, frame.hidden_grad = self.head.unit(self.unit_rows[u], hidden[0], grad=True)
             del hidden
-        self._backpropagate(frame)
+        with phase("forkrl.prompt_backward"):
+            self._backpropagate(frame)
 
-    def leaves(self, batch: list[Unit]) -> None:
-        """Sibling leaves as one right-padded batch over their shared cache: scored, or in a
-        gradient pass forwarded with grad and backpropagated at once (one backward for the batch)."""
-        width = max(len(u.tokens) for u in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        for b, u in enumerate(batch):
-            ids[b, : len(u.tokens)] = u.tokens
+    def leaves(self, parent: int, b: int) -> None:
+        """Sibling leaves (batch ``b`` of ``parent``'s children) as one right-padded batch over
+        their shared cache: scored, or in a gradient pass forwarded with grad and backpropagated
+        at once (one LM head and one backward for the batch)."""
+        batch = [self.units[i] for i in self.batches[parent][b]]
+        ids, rows = self.batch_ids[(parent, b)], self.batch_rows[(parent, b)]
+        width = ids.shape[1]
         start = batch[0].start
         cache = self.adapter.make_cache(self.past, self.past_len, batch=len(batch), pieces=self.pieces)
         with torch.set_grad_enabled(self.grad):
             routers = self._routers()
-            hidden = self._hidden(ids.to(self.device), start, [u.node for u in batch], cache, routers)
+            with phase("forkrl.leaves_forward"):
+                hidden = self._hidden(ids, start, [u.node for u in batch], cache, routers)
             term = None
             if routers is not None:
                 nodes = token_nodes([u.node for u in batch], [len(u.tokens) for u in batch], width)
@@ -159,40 +174,46 @@ class DepthFirstPass:
         if term is not None:
             outputs.append(term)
             grads.append(torch.ones_like(term))
-        for b, u in enumerate(batch):
-            rows, grad = self.head.unit(u, hidden[b], grad=self.grad)
-            if rows is not None and rows.requires_grad:
-                outputs.append(rows)
-                grads.append(grad)
-        del hidden, cache
+        with torch.set_grad_enabled(self.grad):
+            flat = hidden.reshape(-1, hidden.shape[-1])
+        with phase("forkrl.head"):
+            out_rows, grad = self.head.unit(rows, flat, grad=self.grad)
+        if out_rows is not None and out_rows.requires_grad:
+            outputs.append(out_rows)
+            grads.append(grad)
+        del hidden, flat, cache
         if outputs:
-            torch.autograd.backward(outputs, grads)
+            with phase("forkrl.leaves_backward"):
+                torch.autograd.backward(outputs, grads)
 
     # ------------------------------------------------------------------ pieces of the steps
-    def _forward_down(self, unit: Unit, frame: _Frame, frozen: bool) -> NodeKV:
+    def _forward_down(self, u: int, frame: _Frame, frozen: bool) -> NodeKV:
         """Forward a unit on the way down; returns its keys/values (``frame.kv`` is set only where
         the way up needs no second forward)."""
         # Keep mode forwards with grad once, on the way down. Replay forwards without grad here and
         # again with grad on the way up, except for leaves, whose way up follows at once.
+        unit = self.units[u]
         direct = self.grad and not frozen and (not self.replay or not unit.children)
         with torch.set_grad_enabled(direct):
-            hidden, kv, frame.router = self._forward(unit)
+            hidden, kv, frame.router = self._forward(u)
+        rows = self.unit_rows[u]
         if direct:
-            frame.hidden_rows, frame.hidden_grad = self.head.unit(unit, hidden[0], grad=True)
+            frame.hidden_rows, frame.hidden_grad = self.head.unit(rows, hidden[0], grad=True)
         elif frozen or not self.grad:
             # Frozen (truncated gradient): the head still learns from the rows, nothing flows further.
-            self.head.unit(unit, hidden[0], grad=frozen)
+            self.head.unit(rows, hidden[0], grad=frozen)
         if direct or frozen:
             frame.kv = kv
         return kv
 
-    def _forward(self, unit: Unit) -> tuple[torch.Tensor, NodeKV, torch.Tensor | None]:
-        """``[1, n, hidden]`` final hidden states, the unit's keys/values, its router term (or None)."""
+    def _forward(self, u: int) -> tuple[torch.Tensor, NodeKV, torch.Tensor | None]:
+        """``[1, n, hidden]`` final hidden states of unit ``u``, its keys/values, its router term (or None)."""
+        unit = self.units[u]
         if self.past_len != unit.start:
             raise RuntimeError(
                 f"internal: cache holds {self.past_len} positions but the unit starts at {unit.start}"
             )
-        ids = unit.tokens.to(self.device).unsqueeze(0)
+        ids = self.unit_tokens[u].unsqueeze(0)
         cache = self.adapter.make_cache(self.past, self.past_len, pieces=self.pieces)
         routers = self._routers()
         hidden = self._hidden(ids, unit.start, [unit.node], cache, routers)
@@ -266,6 +287,49 @@ class DepthFirstPass:
             out.append(_arena_leaves(buffers[i], layer, unit.offset, requires_grad))
         return NodeKV(out)
 
+    def _schedule(self) -> dict[int, list[list[int]]]:
+        """Per unit, the batches its batchable leaf children run in (decided on the host up front)."""
+        batches = {}
+        for u, unit in enumerate(self.units):
+            kids = [c for c in unit.children if self._batchable(self.units[c])]
+            if kids:
+                batches[u] = self._leaf_batches(kids, self.units[kids[0]].start)
+        return batches
+
+    def _stage(self) -> None:
+        """Every index the pass uses, on the device with one copy (:mod:`.staging`)."""
+        builder = HeadRowsBuilder()
+        handles = [
+            builder.add(u.rows.numpy(), u.entry_row.numpy(), u.entry_ids.numpy(), u.entry_target.numpy())
+            for u in self.units
+        ]
+        extra, keys = [u.tokens.numpy() for u in self.units], []
+        batch_handles = {}
+        for parent, batches in self.batches.items():
+            for b, members in enumerate(batches):
+                units = [self.units[i] for i in members]
+                width = max(len(u.tokens) for u in units)
+                ids = np.zeros((len(units), width), dtype=np.int64)
+                rows, entry_row, base = [], [], 0
+                for j, u in enumerate(units):
+                    ids[j, : len(u.tokens)] = u.tokens.numpy()
+                    rows.append(u.rows.numpy() + j * width)
+                    entry_row.append(u.entry_row.numpy() + base)
+                    base += len(u.rows)
+                batch_handles[(parent, b)] = builder.add(
+                    np.concatenate(rows),
+                    np.concatenate(entry_row),
+                    np.concatenate([u.entry_ids.numpy() for u in units]),
+                    np.concatenate([u.entry_target.numpy() for u in units]),
+                )
+                extra.append(ids)
+                keys.append((parent, b))
+        heads, moved = builder.build(self.device, extra)
+        self.unit_rows = [heads[h] for h in handles]
+        self.unit_tokens = moved[: len(self.units)]
+        self.batch_ids = dict(zip(keys, moved[len(self.units) :], strict=True))
+        self.batch_rows = {key: heads[h] for key, h in batch_handles.items()}
+
     def _splits(self) -> bool:
         """Whether attention runs split over the shared pieces (no per-sequence copy of the context)."""
         if not self.pieces:
@@ -278,7 +342,7 @@ class DepthFirstPass:
         Not a frozen context-only leaf, which takes the frozen path of :meth:`enter`."""
         return not unit.children and not (self.grad and unit.context_only and self.ex.prompt_grad == "none")
 
-    def _leaf_batches(self, leaf_ids: list[int]) -> list[list[int]]:
+    def _leaf_batches(self, leaf_ids: list[int], start: int) -> list[list[int]]:
         """Group sibling leaves by length into batches of at most ``budget`` padded tokens.
 
         A batch's tokens are ``batch x longest``, plus ``batch x context`` where the attention
@@ -290,7 +354,7 @@ class DepthFirstPass:
         budget = self.ex.leaf_batch_tokens if self.grad else self.ex.score_batch_tokens
         if self.replay:  # one leaf at a time: replay's memory is one root-to-leaf path's
             budget = 1
-        context = 0 if self._splits() else self.past_len
+        context = 0 if self._splits() else start  # the leaves' context: the positions before them
         leaf_ids = sorted(leaf_ids, key=lambda i: len(self.units[i].tokens))
         batches: list[list[int]] = []
         cur: list[int] = []
@@ -302,7 +366,7 @@ class DepthFirstPass:
             cur.append(i)
         if cur:
             batches.append(cur)
-        return batches[::-1]  # popped from a stack: keep length order
+        return batches
 
 
 def _arena(layer: tuple[torch.Tensor, ...], node_len: int, requires_grad: bool):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from ..attention import subtree_ends, tree_mask
@@ -16,6 +17,7 @@ from ..tree import PrefixForest
 from .head import ScoredHead
 from .model import ModelAdapter
 from .router import RouterLoss, RouterPass
+from .staging import HeadRowsBuilder
 
 __all__ = ["check_packed", "run_packed"]
 
@@ -92,22 +94,29 @@ def run_packed(
     """
     device = adapter.head.weight.device
     nodes = forest.nodes
-    offsets = [0]
-    for n in nodes:
-        offsets.append(offsets[-1] + len(n.tokens))
-    ids = torch.cat([n.tokens for n in nodes]).to(device).unsqueeze(0)
-    pos = torch.cat([torch.arange(n.start, n.end) for n in nodes]).to(device).unsqueeze(0)
-    ends = subtree_ends([len(n.tokens) for n in nodes], [n.parent for n in nodes]).to(device)
-    rows = torch.cat([n.rows + offsets[n.index] for n in nodes])
+    lengths = [len(n.tokens) for n in nodes]
+    offsets = np.cumsum([0, *lengths])
+    builder = HeadRowsBuilder()
     entry_row, base = [], 0
     for n in nodes:
-        entry_row.append(n.entry_row + base)
+        entry_row.append(n.entry_row.numpy() + base)
         base += len(n.rows)
-    entry_target = torch.cat([n.entry_target for n in nodes])
+    builder.add(
+        np.concatenate([n.rows.numpy() + offsets[n.index] for n in nodes]),
+        np.concatenate(entry_row),
+        np.arange(forest.num_entries),
+        np.concatenate([n.entry_target.numpy() for n in nodes]),
+    )
+    host = [
+        np.concatenate([n.tokens.numpy() for n in nodes])[None],
+        np.concatenate([np.arange(n.start, n.end) for n in nodes])[None],
+        subtree_ends(lengths, [n.parent for n in nodes]).numpy(),
+    ]
+    (rows,), (ids, pos, ends) = builder.build(device, host)
     routers = [] if router is not None else None
     with torch.set_grad_enabled(grad):
         hidden = _forward(adapter, ids, pos, ends, routers)
-        h_rows = hidden[rows.to(device)]
+        h_rows = rows.select(hidden)
         term = None
         if routers is not None:
             nodes_of = torch.cat([torch.full((len(n.tokens),), n.index) for n in nodes])
@@ -116,9 +125,7 @@ def run_packed(
             if grad:
                 term = RouterPass(router, count=False, device=device).record(routers, nodes_of)
         del routers
-    out_rows, g = head.rows(
-        h_rows, torch.cat(entry_row), torch.arange(forest.num_entries), entry_target, grad
-    )
+    out_rows, g = head.rows(h_rows, rows, grad)
     outputs, grads = [], []
     if grad and out_rows is not None and out_rows.requires_grad:
         outputs, grads = [out_rows], [g]

@@ -299,7 +299,7 @@ class TreeExecutor:
                     f"{name} contains NaN or inf (e.g. a NaN advantage): fix the rewards/advantages before the "
                     "backward pass; nothing was accumulated"
                 )
-            coefs.append(c.to(self.dtype))
+            coefs.append(c.to(self.device, self.dtype))
         return StaticCoefficients(coefs[0], coefs[1])
 
     def _check_forest(self, forest: PrefixForest, vision: VisionBatch | None = None) -> None:
@@ -317,7 +317,7 @@ class TreeExecutor:
             vision.check(forest, self.mode)
             return
         vocab = self.adapter.vocab_size
-        top = max(int(n.tokens.max()) for n in forest.nodes)
+        top = forest.max_token
         if top >= vocab:
             s = next(i for i in range(forest.num_sequences) if int(forest.sequence_tokens(i).max()) >= vocab)
             raise ValueError(
@@ -542,6 +542,7 @@ class TreeExecutor:
                 self._warned_checkpointing = True
             if self.mode == "packed":
                 run_packed(self.adapter, forest, grad, head, router)
+                head.flush()
                 return lp, ent
             ad = self.adapter
             name = attention.select(
@@ -557,6 +558,7 @@ class TreeExecutor:
                     RouterPass(router, count=not grad, device=self.device) if router is not None else None
                 )
                 DepthFirstPass(self, forest, grad, head, pieces, passing, vision).run()
+            head.flush()
         return lp, ent
 
 

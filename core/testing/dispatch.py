@@ -8,12 +8,17 @@ read of a device value stalls the host until the device drains, each copy moves 
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["SYNC_OPS", "DispatchCounter"]
+__all__ = ["SYNC_OPS", "DispatchCounter", "PassCounts", "count_call", "count_dense"]
 
 #: ATen ops that read a device value on the host (a synchronisation on CUDA): ``.item()``/``int()``,
 #: data-dependent output shapes (``nonzero``, boolean masking, ``unique``), ``.tolist()``.
@@ -89,3 +94,119 @@ _VIEWS = {
 
 def _is_view(name: str) -> bool:
     return name in _VIEWS
+
+
+@dataclass
+class PassCounts:
+    """What one executor call (``score`` or ``backward``) asked of the device.
+
+    Attributes:
+        ops: non-view ATen ops of the whole call (kernel launches on a GPU).
+        syncs: synchronising ops inside the pass itself (:data:`SYNC_OPS`).
+        call_syncs: those of the whole call (the checks before the pass included).
+        decoder_runs: forwards of the decoder.
+        moves: ``Tensor.to`` calls naming a device made by forkrl's core inside the pass (each a
+            host-device copy on a GPU; the CPU hides them, so they are counted where they are asked for).
+    """
+
+    ops: int
+    syncs: int
+    call_syncs: int
+    decoder_runs: int
+    moves: int
+
+
+_CORE = str(Path(__file__).resolve().parents[1])
+_TESTING = str(Path(__file__).resolve().parent)
+
+
+def _names_device(args: tuple, kwargs: dict) -> bool:
+    if "device" in kwargs:
+        return True
+    for a in args:
+        if isinstance(a, (torch.device, torch.Tensor)):
+            return True
+        if isinstance(a, str):
+            return True  # a device name ("cuda:0"): dtypes are not strings
+    return False
+
+
+@contextlib.contextmanager
+def _counting_moves(out: list[int]) -> Iterator[None]:
+    original = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        if _names_device(args, kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(_CORE) and not caller.startswith(_TESTING):
+                out[0] += 1
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.to = to
+    try:
+        yield
+    finally:
+        torch.Tensor.to = original
+
+
+def count_call(executor, call: Callable[[], object]) -> PassCounts:
+    """Run ``call`` (a ``score`` or ``backward`` of ``executor``, a :class:`TreeExecutor`) and count
+    what it dispatched; the pass is the executor's ``_run``."""
+    whole, moves, runs = DispatchCounter(), [0], [0]
+    inner: list[DispatchCounter] = []
+    run = executor._run
+
+    def counted_run(*args, **kwargs):
+        c = DispatchCounter()
+        inner.append(c)
+        with c, _counting_moves(moves):
+            return run(*args, **kwargs)
+
+    hook = executor.adapter.decoder.register_forward_pre_hook(lambda *_: runs.__setitem__(0, runs[0] + 1))
+    executor._run = counted_run
+    try:
+        with whole:
+            call()
+    finally:
+        del executor._run
+        hook.remove()
+    return PassCounts(
+        ops=whole.non_view(),
+        syncs=sum(c.sync_count for c in inner),
+        call_syncs=whole.sync_count,
+        decoder_runs=runs[0],
+        moves=moves[0],
+    )
+
+
+def count_dense(model, sequences: list[list[int]], score_from: list[int], micro_batch: int) -> PassCounts:
+    """The plain computation's counts: per micro-batch of ``micro_batch`` sequences (right-padded,
+    with an attention mask, as hosts pack them), one forward, log-probs of the scored tokens and one
+    backward of their sum."""
+    counter, runs = DispatchCounter(), 0
+    device = next(model.parameters()).device
+    batches = []
+    for i in range(0, len(sequences), micro_batch):
+        chunk = sequences[i : i + micro_batch]
+        width = max(map(len, chunk))
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        scored = torch.zeros(len(chunk), width - 1)
+        for b, seq in enumerate(chunk):
+            ids[b, : len(seq)] = torch.tensor(seq)
+            mask[b, : len(seq)] = 1
+            scored[b, score_from[i + b] - 1 : len(seq) - 1] = 1
+        batches.append((ids.to(device), mask.to(device), scored.to(device)))
+    with counter:
+        for ids, mask, scored in batches:
+            runs += 1
+            logp = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float().log_softmax(-1)
+            lp = logp.gather(-1, ids[:, 1:, None])[..., 0]
+            (lp * scored).sum().backward()
+    return PassCounts(
+        ops=counter.non_view(),
+        syncs=counter.sync_count,
+        call_syncs=counter.sync_count,
+        decoder_runs=runs,
+        moves=0,
+    )

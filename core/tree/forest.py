@@ -64,6 +64,24 @@ class TreeNode:
         return 0 if self.entry_target is None else len(self.entry_target)
 
 
+def to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """The int64 ``arrays`` on ``device`` as views of one buffer, moved with one copy: pinned and
+    non-blocking on CUDA (a copy from pageable memory would wait for the device to drain), none on
+    the CPU. Issues no tensor op but the copy."""
+    if not arrays:
+        return []
+    flat = np.concatenate([np.asarray(a, dtype=np.int64).reshape(-1) for a in arrays])
+    host = torch.from_numpy(flat)
+    if device.type == "cuda":
+        moved = host.pin_memory().to(device, non_blocking=True)
+    elif device.type == "cpu":
+        moved = host
+    else:
+        moved = host.to(device)
+    sizes = [int(np.size(a)) for a in arrays]
+    return [part.view(np.shape(a)) for part, a in zip(moved.split(sizes), arrays, strict=True)]
+
+
 def _as_token_array(seq: Sequence[int] | torch.Tensor | np.ndarray, i: int) -> np.ndarray:
     if isinstance(seq, torch.Tensor):
         if seq.dim() != 1:
@@ -376,6 +394,24 @@ class PrefixForest:
         """Scored tokens over all sequences, counting shared ones once per sequence."""
         return sum(n - s for n, s in zip(self.lengths, self.score_from, strict=True))
 
+    @property
+    def max_token(self) -> int:
+        """The largest token id in the forest (read on the host, once)."""
+        if "_max_token" not in self.__dict__:
+            tops = [int(n.tokens.numpy().max()) for n in self.nodes if len(n.tokens)]
+            self._max_token = max(tops, default=-1)
+        return self._max_token
+
+    def entry_index(self, device: torch.device | str) -> torch.Tensor:
+        """``[sum of len_i - score_from_i]`` every sequence's entry indices end to end, on ``device``
+        (moved once per forest and device: :meth:`gather` and :meth:`scatter_add` index with it)."""
+        device = torch.device(device)
+        cache = self.__dict__.setdefault("_entry_index", {})
+        if device not in cache:
+            flat = np.concatenate([i.numpy() for i in self.seq_entries]) if self.seq_entries else np.zeros(0)
+            cache[device] = to_device([flat], device)[0]
+        return cache[device]
+
     def depth(self) -> int:
         """Number of nodes on the longest root-to-leaf path."""
         return max(len(p) for p in self.paths)
@@ -394,7 +430,8 @@ class PrefixForest:
         Returns:
             One ``[len_i - score_from_i, ...]`` tensor per sequence.
         """
-        return [entry_values[idx.to(entry_values.device)] for idx in self.seq_entries]
+        flat = entry_values.index_select(0, self.entry_index(entry_values.device))
+        return list(flat.split([len(idx) for idx in self.seq_entries]))
 
     def scatter_add(self, per_sequence: Sequence[torch.Tensor]) -> torch.Tensor:
         """Per-sequence values to per-entry sums (the adjoint of :meth:`gather`).
@@ -423,16 +460,15 @@ class PrefixForest:
         # Promote over all of them, so one lower-precision tensor cannot round the others.
         dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors), tensors[0].dtype)
         device = tensors[0].device
-        out = torch.zeros(self.num_entries, dtype=dtype, device=device)
         for s, (vals, idx) in enumerate(zip(tensors, self.seq_entries, strict=True)):
-            vals = vals.detach().to(dtype=dtype, device=device)
             if vals.shape != idx.shape:
                 raise ValueError(
                     f"sequence {s}: expected {tuple(idx.shape)} values (len - score_from = "
                     f"{self.lengths[s]} - {self.score_from[s]}), got shape {tuple(vals.shape)}"
                 )
-            out.index_add_(0, idx.to(device), vals)
-        return out
+        values = torch.cat([t.detach().to(dtype=dtype, device=device) for t in tensors])
+        out = torch.zeros(self.num_entries, dtype=dtype, device=device)
+        return out.index_add_(0, self.entry_index(device), values)
 
     def __repr__(self) -> str:
         return (

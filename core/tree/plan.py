@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .forest import PrefixForest
@@ -19,6 +20,9 @@ __all__ = ["Unit", "plan"]
 @dataclass(eq=False)
 class Unit:
     """A unit of execution: a forest node, or one block of it.
+
+    Index fields are host tensors (views of host arrays: building them issues no tensor op, so a
+    plan costs the device nothing; the executor moves what a pass needs at once, :mod:`.staging`).
 
     Attributes:
         tokens: ``[n]`` token ids.
@@ -57,32 +61,47 @@ class Unit:
 def plan(forest: PrefixForest, block_size: int | None = None) -> tuple[list[Unit], list[int]]:
     """Cut forest nodes into execution units of at most ``block_size`` tokens (None: whole nodes).
 
+    Computed on the host once per forest and block size (a forest is immutable).
+
     Returns:
         The units in depth-first pre-order, and the indices of the roots.
     """
+    cache = forest.__dict__.setdefault("_plans", {})
+    if block_size not in cache:
+        cache[block_size] = _plan(forest, block_size)
+    return cache[block_size]
+
+
+def _plan(forest: PrefixForest, block_size: int | None) -> tuple[list[Unit], list[int]]:
     units: list[Unit] = []
     last_unit: dict[int, int] = {}
     roots: list[int] = []
     for node in forest.nodes:
         n = len(node.tokens)
         bs = n if block_size is None else block_size
+        tokens = node.tokens.numpy()
         # Absolute row offset of every entry inside the node.
-        entry_rows_abs = node.rows[node.entry_row] if node.num_entries else torch.zeros(0, dtype=torch.long)
-        entry_ids = torch.arange(node.entry_offset, node.entry_offset + node.num_entries)
+        if node.num_entries:
+            entry_rows_abs = node.rows.numpy()[node.entry_row.numpy()]
+            targets = node.entry_target.numpy()
+        else:
+            entry_rows_abs = targets = np.zeros(0, dtype=np.int64)
         parent = last_unit[node.parent] if node.parent >= 0 else -1
         for b0 in range(0, n, bs):
             b1 = min(b0 + bs, n)
-            lo = int(torch.searchsorted(entry_rows_abs, b0))
-            hi = int(torch.searchsorted(entry_rows_abs, b1))
-            rows, inverse = torch.unique(entry_rows_abs[lo:hi], sorted=True, return_inverse=True)
+            lo, hi = (int(i) for i in np.searchsorted(entry_rows_abs, [b0, b1]))
+            rows, inverse = np.unique(entry_rows_abs[lo:hi], return_inverse=True)
+            inverse = inverse.reshape(-1).astype(np.int64)
             unit = Unit(
-                tokens=node.tokens[b0:b1],
+                tokens=torch.from_numpy(tokens[b0:b1]),
                 start=node.start + b0,
                 parent=parent,
-                rows=rows - b0,
-                entry_row=inverse.reshape(-1),
-                entry_ids=entry_ids[lo:hi],
-                entry_target=node.entry_target[lo:hi],
+                rows=torch.from_numpy((rows - b0).astype(np.int64)),
+                entry_row=torch.from_numpy(inverse),
+                entry_ids=torch.from_numpy(
+                    np.arange(node.entry_offset + lo, node.entry_offset + hi, dtype=np.int64)
+                ),
+                entry_target=torch.from_numpy(np.ascontiguousarray(targets[lo:hi])),
                 context_only=node.start + b1 <= node.first_scored,
                 node=node.index,
                 offset=b0,

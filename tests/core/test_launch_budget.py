@@ -1,0 +1,72 @@
+"""Budgets of what a tree pass asks of a GPU, counted on the CPU (``benchmarks/launch_budget.py``
+prints them at full size): at the Qwen2.5-0.5B structure (4 of its 24 layers and shorter
+sequences here, for time: launches depend on the forest's shape and the depth, not the lengths)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.launch_budget import qwen_05b_structure, rollouts
+from forkrl.core import PrefixForest, TreeExecutor
+from forkrl.core.testing.dispatch import count_call, count_dense
+
+SHAPES = {"one": (1, 128, 16, 16), "math": (32, 32, 8, 8)}  # (groups, P, G, R)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return qwen_05b_structure(layers=4)
+
+
+_BATCHES: dict = {}
+
+
+def _batch(model, shape: str):
+    """(shape, forest, per-sequence coefficients, the plain computation's counts), built once."""
+    if shape not in _BATCHES:
+        seqs, score_from = rollouts(*SHAPES[shape])
+        forest = PrefixForest.build(seqs, score_from)
+        coefs = [torch.ones(len(s) - a) for s, a in zip(seqs, score_from, strict=True)]
+        _BATCHES[shape] = shape, forest, coefs, count_dense(model, seqs, score_from, micro_batch=8)
+    return _BATCHES[shape]
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def batch(request, model):
+    return _batch(model, request.param)
+
+
+@pytest.mark.parametrize(  # replay's many short decoder runs at the math shape add time, not code
+    "shape,mode",
+    [("one", "keep"), ("one", "replay"), ("one", "packed"), ("math", "keep"), ("math", "packed")],
+)
+def test_a_pass_never_waits_for_the_device(model, shape, mode):
+    """No synchronising op and no host-device move inside a pass, gradient or scoring: every index
+    is staged before it with one copy. The one read of the whole call is the coefficients' NaN
+    check, before the pass (a NaN advantage is refused with nothing accumulated)."""
+    _, forest, coefs, _ = _batch(model, shape)
+    ex = TreeExecutor(model, mode=mode).verify()
+    ex.backward(forest, coefs)
+    grad = count_call(ex, lambda: ex.backward(forest, coefs))
+    score = count_call(ex, lambda: ex.score(forest, entropy=True))
+    assert (grad.syncs, grad.moves, grad.call_syncs) == (0, 0, 1), grad
+    assert (score.syncs, score.moves, score.call_syncs) == (0, 0, 0), score
+    model.zero_grad(set_to_none=True)
+
+
+def test_kernel_launches_against_the_plain_computation(model, batch):
+    """Non-view ATen ops of one gradient call against the plain computation's (micro-batches of 8).
+    Packed mode (one forward of the whole forest) launches fewer; keep mode's split attention and
+    per-unit decoder runs still launch about 2.4x as many (issue 38's target is at most 1x, with
+    level-batched units and copy-free split attention): this ceiling keeps it from growing."""
+    shape, forest, coefs, dense = batch
+    counts = {}
+    for mode in ("keep", "packed"):
+        ex = TreeExecutor(model, mode=mode).verify()
+        ex.backward(forest, coefs)
+        counts[mode] = count_call(ex, lambda ex=ex: ex.backward(forest, coefs))
+    model.zero_grad(set_to_none=True)
+    assert counts["packed"].ops <= dense.ops, (counts, dense)
+    assert counts["keep"].ops <= 2.7 * dense.ops, (counts, dense)
+    assert counts["packed"].decoder_runs == 1
