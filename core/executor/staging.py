@@ -17,7 +17,7 @@ import torch
 
 from ..tree.forest import to_device
 
-__all__ = ["HeadRows", "head_rows", "to_device"]
+__all__ = ["HeadRows", "HeadRowsBuilder"]
 
 
 @dataclass
@@ -81,16 +81,3 @@ class HeadRowsBuilder:
                 HeadRows(span if span is not None else rows, entry_row, entry_ids, entry_target, row_entries)
             )
         return heads, moved[len(self.arrays) :]
-
-
-def head_rows(
-    rows: np.ndarray,
-    entry_row: np.ndarray,
-    entry_ids: np.ndarray,
-    entry_target: np.ndarray,
-    device: torch.device,
-) -> HeadRows:
-    """One :class:`HeadRows` on its own (one copy)."""
-    builder = HeadRowsBuilder()
-    builder.add(rows, entry_row, entry_ids, entry_target)
-    return builder.build(device)[0][0]
