@@ -4,7 +4,8 @@ A GPU charges for what a CPU hides. Each ATen op is a kernel launch (microsecond
 whatever its size), each read of a device value stalls the host until the device drains, and each
 host-to-device copy from pageable memory does too. This counts them at the Qwen2.5-0.5B structure
 (24 layers, 14 heads, 2 KV heads, vocabulary 151936; tiny widths, so it runs on a CPU in seconds),
-for one gradient call (``TreeExecutor.backward``) of each mode against the plain computation
+for one gradient call (``TreeExecutor.backward``) of each mode (keep mode level-batched and depth
+first) against the plain computation
 (micro-batches of ``--micro-batch`` right-padded sequences, one forward and backward each):
 
     ops        non-view ATen ops of the whole call
@@ -25,7 +26,14 @@ import argparse
 import json
 
 SHAPES = {"one": (1, 256, 16, 32), "math": (32, 64, 8, 32)}
-MODES = ("keep", "replay", "packed")
+# Method name -> TreeExecutor options ("keep" level-batches the units of many trees; its depth-first
+# pass is kept for what a level cannot run: recurrent state, sliding windows, images, replay).
+METHODS = {
+    "keep": {"mode": "keep"},
+    "keep-depth-first": {"mode": "keep", "level_batching": False},
+    "replay": {"mode": "replay"},
+    "packed": {"mode": "packed"},
+}
 
 
 def qwen_05b_structure(layers: int = 24):
@@ -73,11 +81,11 @@ def measure(shape: str, model, micro_batch: int) -> list[dict]:
     forest = PrefixForest.build(seqs, score_from)
     coefs = [torch.ones(len(s) - a) for s, a in zip(seqs, score_from, strict=True)]
     rows = [dict(shape=shape, method="dense", **vars(count_dense(model, seqs, score_from, micro_batch)))]
-    for mode in MODES:
-        ex = TreeExecutor(model, mode=mode).verify()  # the first-use probe, not counted
+    for method, options in METHODS.items():
+        ex = TreeExecutor(model, **options).verify()  # the first-use probe, not counted
         ex.backward(forest, coefs)  # warm: the first call of a mode builds its kernels' checks
         counts = count_call(ex, lambda ex=ex: ex.backward(forest, coefs))
-        rows.append(dict(shape=shape, method=mode, **vars(counts)))
+        rows.append(dict(shape=shape, method=method, **vars(counts)))
     model.zero_grad(set_to_none=True)
     return rows
 

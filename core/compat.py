@@ -740,6 +740,30 @@ def flash_cuda_backward(
     )
 
 
+def efficient_cuda(q, k, v, attn_mask: torch.Tensor, scale: float | None = None):
+    """``aten._scaled_dot_product_efficient_attention`` (CUDA; an additive ``attn_mask``; as many key
+    as query heads) in the CPU flash kernel's form: ``(out [B, H, q, d], lse [B, H, q] float32)``.
+    Its log-sum-exp comes padded to a multiple of 32 queries and is cut to ``q``. Checked on the
+    device at first use by :func:`forkrl.core.attention.level.level_kernels_for` (no GPU in CI)."""
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, attn_mask, True, 0.0, False, scale=scale
+    )
+    return out, lse[..., : q.shape[2]]
+
+
+def efficient_cuda_backward(dout, q, k, v, out, lse, attn_mask: torch.Tensor, scale: float | None = None):
+    """``aten._scaled_dot_product_efficient_attention_backward`` without dropout: ``(dq, dk, dv)``;
+    ``lse`` (``[B, H, q]``) is padded back to the kernel's multiple of 32 queries."""
+    pad = -lse.shape[-1] % 32
+    if pad:
+        lse = torch.nn.functional.pad(lse, (0, pad))
+    seed = torch.empty(0, dtype=torch.int64, device=q.device)  # no dropout: the RNG state is unused
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, attn_mask, out, lse, seed, seed, 0.0, [True, True, True, False], False, scale=scale
+    )
+    return dq, dk, dv
+
+
 @_private(
     "torch.ops.aten._convert_weight_to_int4pack(_for_cpu), _weight_int4pack_mm(_for_cpu), _weight_int8pack_mm",
     "the drafter's low-bit linear layers run torch's own weight-only kernels (tinygemm int4 groupwise, "

@@ -59,8 +59,9 @@ def test_trl_step_benchmark(extra):
 def test_launch_budget_benchmark():
     res = _run("launch_budget", "--layers", "2", "--shapes", "one")
     rows = {r["method"]: r for r in res["rows"]}
-    assert set(rows) == {"dense", "keep", "replay", "packed"}
-    assert all(rows[m]["syncs"] == 0 and rows[m]["decoder_runs"] >= 1 for m in ("keep", "replay", "packed"))
+    tree = ("keep", "keep-depth-first", "replay", "packed")
+    assert set(rows) == {"dense", *tree}
+    assert all(rows[m]["syncs"] == 0 and rows[m]["decoder_runs"] >= 1 for m in tree)
 
 
 def test_balance_sim_benchmark():

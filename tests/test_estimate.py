@@ -271,6 +271,23 @@ def test_stock_is_picked_with_a_warning_when_no_tree_mode_is_faster():
     assert est.pick == "replay" and any("set tree_mode=keep" in w for w in est.warnings)
 
 
+def test_a_gain_under_five_percent_picks_stock():
+    """A tree mode predicted faster than stock, but by less than MIN_GAIN: stock, saying why."""
+    from forkrl.core.estimate import MIN_GAIN
+
+    config = AutoConfig.for_model(
+        "llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_attention_heads=4
+    )
+    work = _workload(shared=30, group=4)
+    plain = estimate(work, _pricing({"keep": CostModel()}), config, 4096).modes["keep"].step_speedup
+    # per-token cost scaled so the tree is predicted 1.02x (the workload's token ratio is `plain`)
+    est = estimate(work, _pricing({"keep": CostModel(per_token=plain / 1.02)}), config, 4096)
+    assert 1.0 < est.modes["keep"].step_speedup < MIN_GAIN == 1.05
+    assert est.pick == "stock" and f"under the {MIN_GAIN:.2f}x" in est.reason
+    est = estimate(work, _pricing({"keep": CostModel(per_token=plain / 1.2)}), config, 4096)
+    assert est.pick == "keep"
+
+
 def test_the_spread_is_the_range_over_the_repeats_and_is_printed():
     config = AutoConfig.for_model(
         "llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_attention_heads=4

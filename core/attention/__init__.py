@@ -3,6 +3,8 @@
 - :mod:`.split`: the split attention (a node over its ancestors' cache pieces, no mask), flash
   kernels merged by log-sum-exp: torch's CPU flash kernels; on CUDA the flash kernels for bf16/fp16
   (:func:`kernels_for`, self-checked on the device at first use).
+- :mod:`.level`: a level run's attention (the units at one depth of many trees, each over its own
+  ancestors), one kernel call per part whatever the number of trees.
 - :mod:`.latent`: multi-head latent attention (DeepSeek-V2/V3's MLA) split over the latent cache,
   the up-projection absorbed into the queries (:func:`deferred_expand` defers the model's expansion).
 - :mod:`.mask`: the packed tree mask, from one ``subtree_end`` per token.
@@ -16,6 +18,7 @@ import torch
 
 from .. import compat
 from .latent import deferred_expand
+from .level import tree_attention
 from .mask import subtree_ends, tree_mask
 from .split import (
     MIN_PIECE,
@@ -76,6 +79,6 @@ def select(
         return None
     global _registered
     if not _registered:  # at first use, never at import
-        compat.register_attention(NAME, split_attention)
+        compat.register_attention(NAME, tree_attention)
         _registered = True
     return NAME

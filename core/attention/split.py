@@ -63,9 +63,10 @@ CUDA_MAX_HEAD_DIM = 256
 
 
 def kernels_for(device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> tuple | None:
-    """The ``(forward, backward)`` flash kernels split attention runs for ``dtype`` tensors on
-    ``device``, both in the CPU kernel's form (``(out, lse)``; ``(dq, dk, dv)``), or None where there
-    is none: then the model's attention runs with an explicit mask.
+    """The ``(forward, backward, gqa)`` flash kernels split attention runs for ``dtype`` tensors on
+    ``device``, both in the CPU kernel's form (``(out, lse)``; ``(dq, dk, dv)``), and whether they
+    take fewer key heads than query heads (GQA inside the kernel, nothing expanded); or None where
+    there is none: then the model's attention runs with an explicit mask.
 
     CPU: torch's CPU flash kernels (every floating dtype). CUDA: the flash kernels for bf16/fp16,
     once checked on this device against a float64 reference on a small random input (split, GQA
@@ -78,11 +79,15 @@ def kernels_for(device: torch.device, dtype: torch.dtype, head_dim: int | None =
     key = (device.type, device.index, dtype)
     if key not in _KERNELS:
         if device.type == "cpu":
-            _KERNELS[key] = (compat.flash_cpu, compat.flash_cpu_backward)
+            _KERNELS[key] = (compat.flash_cpu, compat.flash_cpu_backward, True)
         elif device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and compat.has_flash_cuda():
-            kernels = (compat.flash_cuda, compat.flash_cuda_backward)
-            with torch.enable_grad(), torch.autocast(device.type, enabled=False):
-                why = _self_check(device, dtype, kernels)
+            # Fewer key heads than query heads inside the kernel first, else keys expanded to them.
+            for gqa in (True, False):
+                kernels = (compat.flash_cuda, compat.flash_cuda_backward, gqa)
+                with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+                    why = _self_check(device, dtype, kernels)
+                if why is None:
+                    break
             if why is not None:
                 logger.warning(
                     "forkrl split attention: CUDA flash kernels unusable (%s); using sdpa with a mask", why
@@ -211,7 +216,8 @@ class _SplitAttention(torch.autograd.Function):
         ctx.dtypes = (q.dtype, k_self.dtype, v_self.dtype)
         q, k_self, v_self = (t.to(dtype) for t in (q, k_self, v_self))
         q = q.contiguous()
-        out, lse = flash(q, _expand(k_self, n_rep), _expand(v_self, n_rep), 0.0, True, scale=scale)
+        gqa = 1 if kernels[2] else n_rep  # kernels that take fewer key heads need no expansion
+        out, lse = flash(q, _expand(k_self, gqa), _expand(v_self, gqa), 0.0, True, scale=scale)
         # Merged in the log-sum-exp's float32 where the kernel runs in half precision.
         out, lse = out.contiguous().to(torch.promote_types(q.dtype, lse.dtype)), lse.contiguous()
         q_fold = _fold(q, kv)
@@ -219,9 +225,7 @@ class _SplitAttention(torch.autograd.Function):
             k, v = _piece_kv(a, c, latent, dtype)
             o_i, l_i = flash(q_fold, k, v, 0.0, False, scale=scale)
             o_i, l_i = _unfold(o_i, b, h, q_len), _unfold(l_i, b, h, q_len)
-            merged = torch.logaddexp(lse, l_i)
-            out = out * torch.exp(lse - merged)[..., None] + o_i * torch.exp(l_i - merged)[..., None]
-            lse = merged
+            out, lse = merge(out, lse, o_i, l_i)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k_self, v_self, out, lse, *pieces)
         ctx.scale, ctx.n_rep, ctx.n_pieces, ctx.kernels, ctx.dtype = scale, n_rep, n_pieces, kernels, dtype
@@ -235,7 +239,8 @@ class _SplitAttention(torch.autograd.Function):
         flash_bwd = ctx.kernels[1]
         b, h, q_len, d = q.shape
         dout = dout.contiguous()
-        k_e, v_e = _expand(k_self, n_rep), _expand(v_self, n_rep)
+        gqa = 1 if ctx.kernels[2] else n_rep
+        k_e, v_e = _expand(k_self, gqa), _expand(v_self, gqa)
         dq, dk_self, dv_self = flash_bwd(dout, q, k_e, v_e, out, lse, 0.0, True, scale=scale)
         kv = h // n_rep
         dout_f, q_f, out_f, lse_f = (_fold(t, kv).contiguous() for t in (dout, q, out, lse))
@@ -251,8 +256,24 @@ class _SplitAttention(torch.autograd.Function):
             grads_a.append(dk.to(a.dtype))
             grads_c.append(dv.to(c.dtype))
         q_dt, k_dt, v_dt = ctx.dtypes
-        dk_self, dv_self = _reduce(dk_self, n_rep).to(k_dt), _reduce(dv_self, n_rep).to(v_dt)
+        dk_self, dv_self = _reduce(dk_self, gqa).to(k_dt), _reduce(dv_self, gqa).to(v_dt)
         return (dq.to(q_dt), dk_self, dv_self, None, None, None, None, None, None, *grads_a, *grads_c)
+
+
+def merge(
+    out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two attention results over disjoint keys merged by log-sum-exp, in four kernels.
+
+    ``out = (out * e^lse + part * e^part_lse) / e^new`` with ``new = logaddexp(lse, part_lse)``,
+    written as ``lerp(out, part, e^(part_lse - new))`` (the two weights sum to one).
+
+    Args:
+        out, part: ``[..., q, d]`` (``part`` cast to ``out``'s dtype); lse, part_lse: ``[..., q]``.
+    """
+    new = torch.logaddexp(lse, part_lse)
+    weight = torch.exp(part_lse - new).unsqueeze(-1)
+    return torch.lerp(out, part.to(out.dtype), weight.to(out.dtype)), new
 
 
 def _piece_kv(a: torch.Tensor, c: torch.Tensor, latent: bool, dtype: torch.dtype):
@@ -335,14 +356,18 @@ def masked_attention(
     if past > 0 and q_len > 1:
         rows = torch.arange(q_len, device=query.device)[:, None] + past
         mask = rows >= torch.arange(kv_len, device=query.device)[None, :]
+    # Key heads shared inside the kernel where sdpa keeps a flash kernel for it (the CPU's, CUDA's
+    # without a mask); elsewhere it would fall back to the math kernel, so they are expanded.
+    gqa = n_rep > 1 and (query.device.type == "cpu" or mask is None)
     return F.scaled_dot_product_attention(
         query,
-        _expand(key, n_rep),
-        _expand(value, n_rep),
+        key if gqa else _expand(key, n_rep),
+        value if gqa else _expand(value, n_rep),
         attn_mask=mask,
         dropout_p=dropout,
         is_causal=past == 0 and q_len > 1,
         scale=scale,
+        enable_gqa=gqa,
     )
 
 

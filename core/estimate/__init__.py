@@ -19,6 +19,7 @@ from .pricing import TREE_MODES, PathCosts, Pricing, config_flops, config_pricin
 from .workload import Workload, dense_stats, load_rows, read_workload, tree_peaks
 
 __all__ = [
+    "MIN_GAIN",
     "Estimate",
     "ModeEstimate",
     "PathCosts",
@@ -32,6 +33,11 @@ __all__ = [
     "load_rows",
     "read_workload",
 ]
+
+
+# The predicted step speedup below which the estimate says to leave tree_packing off: a smaller gain
+# is within what the prices' own error can hide (their fit to timings, a device's other kernels).
+MIN_GAIN = 1.05
 
 
 @dataclass
@@ -69,8 +75,8 @@ class ModeEstimate:
 class Estimate:
     """The estimate of one workload (:func:`estimate`).
 
-    ``pick`` is what to run: ``"stock"`` (tree_packing off) when no tree mode is predicted faster
-    than stock, else the mode ``tree_mode="auto"`` runs (``auto_mode``), with ``reason``.
+    ``pick`` is what to run: ``"stock"`` (tree_packing off) when no tree mode is predicted at least
+    :data:`MIN_GAIN` times as fast as stock, else the mode ``tree_mode="auto"`` runs (``auto_mode``), with ``reason``.
     ``warnings`` has a line for every tree mode predicted slower than stock and for a pick whose
     speedup is within the timings' spread of 1.
     """
@@ -233,7 +239,7 @@ def _auto(options: TreeOptions, longest: int, gradient_checkpointing: bool) -> t
 
 
 def _pick(auto: str, reason: str, modes: dict[str, ModeEstimate]) -> tuple[str, str, list[str]]:
-    """Stock when no tree mode's predicted step speedup exceeds 1, else auto's mode; a warning for
+    """Stock when no tree mode's predicted step speedup reaches :data:`MIN_GAIN`, else auto's mode; a warning for
     each mode predicted slower than stock and for a pick within the spread of 1."""
     warnings = [
         f"warning: tree_mode={name} is predicted slower than stock on this workload: {_step(m)} per step"
@@ -247,6 +253,12 @@ def _pick(auto: str, reason: str, modes: dict[str, ModeEstimate]) -> tuple[str, 
             "step): leave tree_packing off"
         )
         why = f"no tree mode is predicted faster than stock, so tree_packing stays off (tree_mode=auto would run {auto})"
+        return "stock", why, warnings
+    if best.step_speedup < MIN_GAIN:
+        why = (
+            f"the best tree mode, {best.mode}, is predicted {_step(best)} per step, under the {MIN_GAIN:.2f}x a "
+            f"tree must gain to be switched on, so tree_packing stays off (tree_mode=auto would run {auto})"
+        )
         return "stock", why, warnings
     chosen = modes[auto]
     if chosen.step_speedup < 1.0:

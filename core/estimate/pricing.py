@@ -237,7 +237,7 @@ def fit_pricing(
     finally:
         torch.set_num_threads(before)
     return Pricing(
-        how=f"fitted on this machine to {len(shapes)} shapes timed {repeats} times each on "
+        how=f"fitted on this machine ({_processor()}) to {len(shapes)} shapes timed {repeats} times each on "
         f"{used} thread{'s' if used > 1 else ''}",
         costs=timings.costs(statistics.median),
         saved_bytes={name: _per_token(r) for name, r in timings.saved.items()},
@@ -396,6 +396,20 @@ def _per_token(samples: list[tuple[PieceStats, float]]) -> tuple[float, float]:
 # ---------------------------------------------------------------------------- from the config
 
 
+def _processor() -> str:
+    """The machine's processor in a few words (``/proc/cpuinfo``'s model name where there is one)."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _config_sizes(config) -> dict[str, int]:
     text = getattr(config, "text_config", None) or config
     hidden = text.hidden_size
@@ -442,7 +456,9 @@ def config_pricing(config, element_size: int = 2) -> Pricing:
     per_token = float(s["layers"] * (10 * s["hidden"] + 4 * s["inter"]) * element_size)
     per_scored = float(2 * s["vocab"] * 4)
     return Pricing(
-        how="priced from the config's FLOPs (no timings: the tree modes are not told apart)",
+        how="priced from the config's FLOPs, the ideal of no device (no timings: the tree modes are not told "
+        "apart); on one H200 at the 0.5B shape keep reached 3.0x where this ideal was 6.7x (2026-12-04, "
+        "before the level-batched pass; benchmarks/results/gpu.md)",
         costs=PathCosts(
             train={"dense": train, **dict.fromkeys(TREE_MODES, train)},
             score={"dense": forward, "tree": forward},

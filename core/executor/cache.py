@@ -15,9 +15,10 @@ import torch
 
 from .. import compat
 from ..attention import PastPieces
+from ..attention.level import LevelMasks, LevelPast
 from ..errors import UnsupportedModelError
 
-__all__ = ["LayerPast", "NodeKV", "build_cache", "recorded"]
+__all__ = ["LayerPast", "NodeKV", "build_cache", "build_level_cache", "recorded"]
 
 # What the ancestors left in one layer, one tuple per ancestor: attention layers ([1, kv_heads, n,
 # head_dim] keys, values) pieces that concatenate; state layers (conv [1, C, k], recurrent or absent)
@@ -60,6 +61,31 @@ class PiecewiseLayer(RecordingLayer):
             return key_states, value_states
         keys = key_states.view_as(key_states)  # an alias to carry the pieces, not the recorded tensor
         keys.forkrl_past = self.pieces
+        return keys, value_states
+
+    def get_seq_length(self) -> int:  # noqa: D102
+        return self.past_len
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:  # noqa: D102
+        return self.past_len + query_length, 0
+
+
+class LevelLayer(RecordingLayer):
+    """Full-attention layer of a level run (:mod:`.levels`): ``update`` returns the run's own
+    ``[N, kv, W, d]`` keys/values with the units' ancestors attached (:class:`LevelPast`, for
+    :func:`forkrl.core.attention.split_attention`; none at the roots' depth)."""
+
+    def __init__(self, past: LevelPast, past_len: int) -> None:
+        super().__init__()
+        self.past = past
+        self.past_len = past_len
+
+    def update(self, key_states, value_states, *args, **kwargs):  # noqa: D102
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.new_keys, self.new_values = key_states, value_states
+        keys = key_states.view_as(key_states)  # an alias to carry the ancestors, not the recorded tensor
+        keys.forkrl_level = self.past
         return keys, value_states
 
     def get_seq_length(self) -> int:  # noqa: D102
@@ -229,6 +255,30 @@ def build_cache(
     return template
 
 
+def build_level_cache(
+    config, layer_kinds: list[str], ancestors: list[NodeKV], masks: LevelMasks
+) -> compat.DynamicCache:
+    """A fresh cache for a level run: per layer, each ancestor depth's batch of keys/values.
+
+    Args:
+        layer_kinds: ``"full"`` or ``"none"`` per layer (a level pass runs attention-only models).
+        ancestors: per ancestor depth (root first), that depth's recorded ``[N_j, kv, W_j, d]``
+            keys/values (leaf tensors).
+        masks: which ancestor each unit has at each depth and how long it is (empty at the roots).
+    """
+    template = compat.DynamicCache(config=config)
+    past_len = sum(masks.widths)
+    layers = []
+    for i, kind in enumerate(layer_kinds):
+        if kind == "none":
+            layers.append(compat.DummyLayer())
+            continue
+        keys = [a.layers[i][0] for a in ancestors]
+        layers.append(LevelLayer(LevelPast(keys, [a.layers[i][1] for a in ancestors], masks), past_len))
+    compat.replace_layers(template, layers)
+    return template
+
+
 def recorded(cache: compat.DynamicCache) -> NodeKV:
     """What the last forward through ``cache`` added (see :class:`NodeKV`)."""
     out: list[tuple[torch.Tensor, ...]] = []
@@ -255,9 +305,12 @@ def recorded(cache: compat.DynamicCache) -> NodeKV:
 def check_pieces_used(cache: compat.DynamicCache, model_name: str) -> None:
     """Raise when a model's attention did not consume the ancestors' pieces exactly once."""
     for layer in cache.layers:
-        if isinstance(layer, PiecewiseLayer) and layer.past_len > 0 and layer.pieces.used != 1:
+        used = layer.past.used if isinstance(layer, LevelLayer) else 1
+        if isinstance(layer, PiecewiseLayer) and layer.past_len > 0:
+            used = layer.pieces.used
+        if used != 1:
             raise UnsupportedModelError(
                 f"{model_name}'s attention did not receive the keys its cache returned (used the ancestors' "
-                f"cache {layer.pieces.used} times, expected once), so forkrl's mask-free attention cannot run "
+                f"cache {used} times, expected once), so forkrl's mask-free attention cannot run "
                 "in it: use TreeExecutor(split_attention=False)"
             )

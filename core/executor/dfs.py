@@ -22,7 +22,6 @@ import contextlib
 import enum
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch.profiler import record_function
 
@@ -31,7 +30,7 @@ from ..tree import PrefixForest, Unit, plan
 from .cache import LayerPast, NodeKV, recorded
 from .head import ScoredHead
 from .router import RouterPass, token_nodes
-from .staging import HeadRowsBuilder
+from .staging import HeadRowsBuilder, padded_batch
 from .vision import VisionBatch
 
 __all__ = ["DepthFirstPass", "Step"]
@@ -307,21 +306,8 @@ class DepthFirstPass:
         batch_handles = {}
         for parent, batches in self.batches.items():
             for b, members in enumerate(batches):
-                units = [self.units[i] for i in members]
-                width = max(len(u.tokens) for u in units)
-                ids = np.zeros((len(units), width), dtype=np.int64)
-                rows, entry_row, base = [], [], 0
-                for j, u in enumerate(units):
-                    ids[j, : len(u.tokens)] = u.tokens.numpy()
-                    rows.append(u.rows.numpy() + j * width)
-                    entry_row.append(u.entry_row.numpy() + base)
-                    base += len(u.rows)
-                batch_handles[(parent, b)] = builder.add(
-                    np.concatenate(rows),
-                    np.concatenate(entry_row),
-                    np.concatenate([u.entry_ids.numpy() for u in units]),
-                    np.concatenate([u.entry_target.numpy() for u in units]),
-                )
+                ids, head = padded_batch([self.units[i] for i in members])
+                batch_handles[(parent, b)] = builder.add(*head)
                 extra.append(ids)
                 keys.append((parent, b))
         heads, moved = builder.build(self.device, extra)

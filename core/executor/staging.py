@@ -17,7 +17,7 @@ import torch
 
 from ..tree.forest import to_device
 
-__all__ = ["HeadRows", "HeadRowsBuilder"]
+__all__ = ["HeadRows", "HeadRowsBuilder", "padded_batch"]
 
 
 @dataclass
@@ -81,3 +81,28 @@ class HeadRowsBuilder:
                 HeadRows(span if span is not None else rows, entry_row, entry_ids, entry_target, row_entries)
             )
         return heads, moved[len(self.arrays) :]
+
+
+def padded_batch(units: list, width: int | None = None) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+    """Host arrays of ``units`` (:class:`forkrl.core.tree.Unit`) run as one right-padded batch.
+
+    Returns:
+        ``[N, W]`` token ids (zeros after each unit's end; ``W`` the longest unit, or ``width``), and
+        the batch's head rows as :meth:`HeadRowsBuilder.add` takes them: positions in the
+        flattened ``[N * W]`` batch, then each entry's row, id and target.
+    """
+    width = width or max(len(u.tokens) for u in units)
+    ids = np.zeros((len(units), width), dtype=np.int64)
+    rows, entry_row, base = [], [], 0
+    for j, u in enumerate(units):
+        ids[j, : len(u.tokens)] = u.tokens.numpy()
+        rows.append(u.rows.numpy() + j * width)
+        entry_row.append(u.entry_row.numpy() + base)
+        base += len(u.rows)
+    head = (
+        np.concatenate(rows),
+        np.concatenate(entry_row),
+        np.concatenate([u.entry_ids.numpy() for u in units]),
+        np.concatenate([u.entry_target.numpy() for u in units]),
+    )
+    return ids, head

@@ -29,6 +29,7 @@ from torch import nn
 from .. import attention, compat
 from ..errors import UnsupportedModelError
 from ..tree import PrefixForest
+from . import levels
 from .dfs import DepthFirstPass
 from .head import CoefficientFn, ScoredHead, StaticCoefficients
 from .model import HEAD_PRECISIONS, HeadPrecision, ModelAdapter
@@ -133,6 +134,7 @@ class TreeExecutor:
         prompt_grad: PromptGrad = "exact",
         split_attention: bool = True,
         head_precision: HeadPrecision = "model",
+        level_batching: bool = True,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not one of {MODES}")
@@ -165,6 +167,7 @@ class TreeExecutor:
         self.leaf_batch_tokens = leaf_batch_tokens
         self.prompt_grad = prompt_grad
         self.split_attention = split_attention
+        self.level_batching = level_batching
         self.head_precision = head_precision
         if mode == "packed":
             check_packed(self.adapter)
@@ -557,7 +560,10 @@ class TreeExecutor:
                 passing = (
                     RouterPass(router, count=not grad, device=self.device) if router is not None else None
                 )
-                DepthFirstPass(self, forest, grad, head, pieces, passing, vision).run()
+                if self.level_batching and levels.eligible(self, grad, pieces, router, vision):
+                    levels.LevelPass(self, forest, grad, head).run()
+                else:
+                    DepthFirstPass(self, forest, grad, head, pieces, passing, vision).run()
             head.flush()
         return lp, ent
 

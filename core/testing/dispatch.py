@@ -89,6 +89,7 @@ _VIEWS = {
     "aten::transpose", "aten::permute", "aten::expand", "aten::slice", "aten::select", "aten::unsqueeze",
     "aten::squeeze", "aten::as_strided", "aten::split", "aten::split_with_sizes", "aten::unbind",
     "aten::narrow", "aten::chunk", "aten::view_as", "aten::lift_fresh", "aten::_reshape_alias",
+    "aten::promote_types",  # a dtype computed on the host, dispatched but launching nothing
 }  # fmt: skip
 
 

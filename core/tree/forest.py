@@ -458,7 +458,7 @@ class PrefixForest:
                     "(an integer tensor would truncate every other sequence's values to integers)"
                 )
         # Promote over all of them, so one lower-precision tensor cannot round the others.
-        dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors), tensors[0].dtype)
+        dtype = functools.reduce(torch.promote_types, {t.dtype for t in tensors}, tensors[0].dtype)
         device = tensors[0].device
         for s, (vals, idx) in enumerate(zip(tensors, self.seq_entries, strict=True)):
             if vals.shape != idx.shape:

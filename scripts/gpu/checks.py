@@ -148,9 +148,9 @@ def stage_ops(ctx) -> dict:
     kernels = attn.kernels_for(dev, dtype)
     if kernels is None:
         return {"status": "skipped", "why": f"no split-attention kernel for {dev} {dtype}"}
-    fwd, bwd = kernels
+    fwd, bwd, gqa = kernels
     g = torch.Generator(device="cpu").manual_seed(0)
-    out = {"dtype": str(dtype)}
+    out = {"dtype": str(dtype), "gqa_in_kernel": gqa}
     for name, (b, h, kv, ql, kl, causal) in {
         "causal_self": (2, 8, 8, 128, 128, True),
         "unmasked_past": (1, 4, 4, 512, 1024, False),
@@ -176,6 +176,15 @@ def stage_ops(ctx) -> dict:
             "lse_err": _rel([lse], [lse_ref]),
             "grad_err": _rel([dq, dk, dv], [qr.grad, kr.grad, vr.grad]),
         }
+    # The level pass's kernels (a masked ancestor depth, a broadcast one, GQA) against float64:
+    # where this fails, keep mode runs depth first on this device.
+    from forkrl.core.attention import level
+
+    levels = level.LevelKernels(*kernels, level._cuda_masked, level._cuda_masked_bwd)
+    if dev.type != "cuda":
+        levels = level.level_kernels_for(dev, dtype)
+    why = level.self_check(dev, dtype, levels)
+    out["level_kernels"] = "ok" if why is None else why
     return out
 
 

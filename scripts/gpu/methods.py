@@ -113,6 +113,8 @@ def build(model, batch: Batch, shape: Shape, device, methods) -> Built:
                 built.runs[m] = _dense(model, batch, shape)
             elif m in ("keep", "replay"):
                 built.runs[m] = _tree(model, batch, shape, m)
+                if m == "keep":
+                    built.notes[m] = _keep_note(model, device)
             elif m == "packed":
                 built.runs[m] = _packed(model, batch, shape)
                 from forkrl.core.executor import packed
@@ -132,6 +134,16 @@ def build(model, batch: Batch, shape: Shape, device, methods) -> Built:
         except Exception as err:  # noqa: BLE001 - a method that cannot be built is a result, not a crash
             built.skipped[m] = f"{type(err).__name__}: {str(err)[:300]}"
     return built
+
+
+def _keep_note(model, device) -> str:
+    """Whether keep mode runs level-batched here (its kernels passed their check) or depth first."""
+    from forkrl.core.attention import compute_dtype
+    from forkrl.core.attention.level import level_kernels_for
+
+    dtype = compute_dtype(device, next(model.parameters()).dtype)
+    head_dim = getattr(model.config, "head_dim", None)
+    return "level-batched" if level_kernels_for(device, dtype, head_dim) is not None else "depth first"
 
 
 def _pg_version() -> str | None:

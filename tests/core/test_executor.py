@@ -480,7 +480,7 @@ def test_split_kernel_self_check_catches_a_wrong_kernel():
     import forkrl.core.attention.split as attn
     from forkrl.core import compat
 
-    good = (compat.flash_cpu, compat.flash_cpu_backward)
+    good = (compat.flash_cpu, compat.flash_cpu_backward, True)
     assert attn._self_check(torch.device("cpu"), torch.float32, good) is None
     assert attn.kernels_for(torch.device("cpu"), torch.float32) == good
 
@@ -488,7 +488,7 @@ def test_split_kernel_self_check_catches_a_wrong_kernel():
         out, lse = compat.flash_cpu(*args, **kwargs)[:2]
         return out, lse + 0.5
 
-    why = attn._self_check(torch.device("cpu"), torch.float32, (shifted, compat.flash_cpu_backward))
+    why = attn._self_check(torch.device("cpu"), torch.float32, (shifted, compat.flash_cpu_backward, True))
     assert why is not None and "differs" in why
 
 

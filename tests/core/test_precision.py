@@ -201,6 +201,7 @@ def test_probe_accepts_bf16_hosts_and_still_refuses_broken_caches(monkeypatch):
 
     monkeypatch.setattr(cache.RecordingLayer, "update", dropping)
     monkeypatch.setattr(cache.PiecewiseLayer, "update", dropping)
+    monkeypatch.setattr(cache.LevelLayer, "update", dropping)
     model = make_model("qwen3", dtype=torch.float32)
     model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
     with (
