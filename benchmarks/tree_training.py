@@ -6,6 +6,9 @@ backward (the gradient of sum(coef * logprob) over the completions) runs as:
     keep    TreeExecutor(mode="keep"): sibling leaves forwarded and backpropagated as batches
     keep1   TreeExecutor(mode="keep", leaf_batch_tokens=1): one leaf at a time (not in the default
             --methods; add it to see what batching the siblings gives)
+    keepdf  TreeExecutor(mode="keep", level_batching=False): the depth-first pass, one decoder run
+            per root and per batch of siblings (not in the default --methods; with --groups it
+            shows what running the units of a depth of many trees as one forward gives)
     replay  TreeExecutor(mode="replay", block_size=--block-size)
     packed  TreeExecutor(mode="packed"), the tree-attention-mask path
 and no-grad scoring runs as dense vs TreeExecutor.score. Ratios are measured side by side in one
@@ -14,6 +17,8 @@ process. Prints a table, then one line of JSON.
     .venv/bin/python -m benchmarks.tree_training --models tiny --P 512 --G 4          # a minute
     .venv/bin/python -m benchmarks.tree_training --models small --P 2048 --G 16       # the target row
     .venv/bin/python -m benchmarks.tree_training --models tiny,small --P 512,2048,8192 --G 4,8,16
+    .venv/bin/python -m benchmarks.tree_training --models tiny --groups 32 --P 256 --G 8 --R 128 \
+        --methods dense,keep,keepdf --no-score --repeat 3                          # math RL: many groups
     .venv/bin/python -m benchmarks.tree_training --models tiny --P 256,1024,4096 --G 4,16 \
         --methods dense,keep --no-score --plot benchmarks/results/tree_training.png
 
@@ -62,6 +67,8 @@ def _model(name: str, args):
 def _executor(model, method: str, args) -> TreeExecutor:
     if method == "keep1":
         return TreeExecutor(model, mode="keep", leaf_batch_tokens=1)
+    if method == "keepdf":
+        return TreeExecutor(model, mode="keep", level_batching=False)
     return TreeExecutor(model, mode=method, block_size=args.block_size if method == "replay" else None)
 
 
@@ -103,17 +110,29 @@ def _ratios(row: dict, methods) -> None:
                 row[f"{m}_over_ideal_tokens"] = row[f"{m}_speedup"] / row["ideal_token_ratio"]
     if "keep_s" in row and "keep1_s" in row:
         row["keep_over_keep1"] = row["keep1_s"] / row["keep_s"]
+    if "keep_s" in row and "keepdf_s" in row:
+        row["keep_over_keepdf"] = row["keepdf_s"] / row["keep_s"]
     if "keep_s" in row and "packed_s" in row:
         row["keep_over_packed"] = row["packed_s"] / row["keep_s"]
 
 
+def _groups(P: int, G: int, R: int, vocab: int, groups: int):
+    """``groups`` GRPO groups (a prompt and ``G`` completions each) as one step's sequences."""
+    seqs, sf, coefs = [], [], []
+    for k in range(groups):
+        s, f, c = grpo_batch(P, G, R, vocab, seed=k)
+        seqs, sf, coefs = seqs + s, sf + f, coefs + c
+    return seqs, sf, coefs
+
+
 def run_config(model, name, P, G, R, methods, args) -> dict:
     vocab = model.config.vocab_size
-    seqs, sf, coefs = grpo_batch(P, G, R, vocab)
+    seqs, sf, coefs = _groups(P, G, R, vocab, args.groups)
     forest = PrefixForest.build(seqs, sf)
     d_fl, t_fl = ideal_flops(forest, name, vocab)
     row = {
         "model": name,
+        "groups": args.groups,
         "P": P,
         "G": G,
         "R": R,
@@ -220,6 +239,7 @@ def main() -> None:
     ap.add_argument("--P", default="512", help="comma list of prompt lengths")
     ap.add_argument("--G", default="4", help="comma list of group sizes")
     ap.add_argument("--R", type=int, default=256, help="completion length")
+    ap.add_argument("--groups", type=int, default=1, help="GRPO groups per step (each its own prompt)")
     ap.add_argument("--methods", default="dense,keep,replay,packed")
     ap.add_argument("--vocab", type=int, default=0, help="vocabulary size (0: the model size's own)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per method, round robin; the median is kept")
@@ -263,6 +283,7 @@ def main() -> None:
                 rows.append(row)
     cols = [
         ("model", "{}"),
+        ("groups", "{}"),
         ("P", "{}"),
         ("G", "{}"),
         ("ideal_token_ratio", "{:.2f}"),
@@ -270,12 +291,14 @@ def main() -> None:
         ("dense_s", "{:.2f}"),
         ("keep_s", "{:.2f}"),
         ("keep1_s", "{:.2f}"),
+        ("keepdf_s", "{:.2f}"),
         ("replay_s", "{:.2f}"),
         ("packed_s", "{:.2f}"),
         ("keep_speedup", "{:.2f}"),
         ("keep_achieved_over_ideal", "{:.2f}"),
         ("keep_over_ideal_tokens", "{:.2f}"),
         ("keep_over_keep1", "{:.2f}"),
+        ("keep_over_keepdf", "{:.2f}"),
         ("replay_speedup", "{:.2f}"),
         ("packed_speedup", "{:.2f}"),
         ("keep_over_packed", "{:.2f}"),

@@ -6,15 +6,18 @@ the fixed cost of a whole model's kernels. Here consecutive trees are taken in *
 as fit a token budget) and a bundle runs depth by depth:
 
 - its internal units (those with children) at one depth run as one right-padded batch ``[N, W]``
-  with grad, their graphs kept and their keys/values handed down as leaf tensors;
-- its leaves at that depth run in padded batches of at most the leaf budget, each forwarded,
+  with grad, with the leaves of that depth that fit beside them, their graphs kept and their
+  keys/values handed down as leaf tensors;
+- its other leaves at that depth run in padded batches of at most the leaf budget, each forwarded,
   scored and backpropagated at once (their ancestors' key/value gradient accumulating);
-- then the internal depths are backpropagated deepest first, each with its head's gradient and
-  the key/value gradient its descendants accumulated.
+- then the kept runs are backpropagated deepest first, each with its head's gradient and the
+  key/value gradient its descendants accumulated.
 
-Each unit attends to its own ancestors only (:mod:`forkrl.core.attention.level`), so a GRPO step
-runs the decoder about twice per bundle. Memory: a bundle's internal units' graphs plus one leaf
-batch (keep mode's, with a bundle in place of one root-to-leaf path).
+Each unit attends to its own ancestors only (:mod:`forkrl.core.attention.level`), so a step runs
+the decoder about once per depth of a bundle (twice for GRPO groups; short nodes below the roots,
+such as a few first tokens two completions share, are copied into their children rather than
+adding a depth: :func:`forkrl.core.tree.collapsed`). Memory: a bundle's kept runs'
+graphs plus one leaf batch (keep mode's, with a bundle in place of one root-to-leaf path).
 
 Run for keep-mode passes of attention-only models whose layers all attend fully, where the level
 kernels exist (:func:`eligible`); everything else (replay, recurrent state, sliding windows, latent
@@ -30,7 +33,7 @@ import torch
 
 from .. import attention
 from ..attention.level import LevelMasks, level_kernels_for
-from ..tree import PrefixForest, Unit, plan
+from ..tree import PrefixForest, Unit, collapsed
 from .cache import NodeKV, build_level_cache, recorded
 from .dfs import phase
 from .head import ScoredHead
@@ -73,7 +76,8 @@ class _Run:
 
 @dataclass(eq=False)
 class _Bundle:
-    """Consecutive trees run together: per depth, the internal units' run and the leaves' runs."""
+    """Trees run together: per depth, the run holding its internal units (with the leaves that fit
+    beside them; kept for the depth's backward) and the runs of its other leaves."""
 
     inner: list[_Run] = field(default_factory=list)
     leaves: list[list[_Run]] = field(default_factory=list)
@@ -93,7 +97,7 @@ class LevelPass:
         self.adapter = executor.adapter
         self.grad, self.head = grad, head
         self.device = executor.device
-        self.units, roots = plan(forest, None)
+        self.units, roots = collapsed(forest, executor.collapse_tokens)
         self.depth = _depths(self.units)
         budget = executor.leaf_batch_tokens if grad else executor.score_batch_tokens
         self.bundles = self._schedule(roots, budget)
@@ -104,8 +108,8 @@ class LevelPass:
             self._bundle(bundle)
 
     def _bundle(self, bundle: _Bundle) -> None:
-        ancestors: list[NodeKV] = []  # per internal depth, its keys/values as leaf tensors
-        kept: list[tuple] = []  # per internal depth: (head rows, their gradient, keys/values, leaves)
+        ancestors: list[NodeKV] = []  # per depth with internal units, its run's keys/values as leaf tensors
+        kept: list[tuple] = []  # per such depth: (head rows, their gradient, keys/values, leaves)
         for d, leaf_runs in enumerate(bundle.leaves):
             if d < len(bundle.inner):
                 with phase("forkrl.prompt_forward"), torch.set_grad_enabled(self.grad):
@@ -175,12 +179,20 @@ class LevelPass:
         for d in range(depths):
             at = [u for u in units if self.depth[u] == d]
             inner = [u for u in at if self.units[u].children]
+            leaves = sorted(
+                (u for u in at if not self.units[u].children), key=lambda u: len(self.units[u].tokens)
+            )
             if inner:
+                # Leaves that fit ride along with the internal units (one decoder run per depth): their
+                # graphs are then kept until the depth's backward, within the same budget.
+                width = max(len(self.units[u].tokens) for u in inner)
+                cap = max(budget, len(inner) * width)
+                while leaves and (len(inner) + 1) * max(width, len(self.units[leaves[0]].tokens)) <= cap:
+                    width = max(width, len(self.units[leaves[0]].tokens))
+                    inner.append(leaves.pop(0))
                 bundle.inner.append(_Run(inner, d))
             batch: list[int] = []
-            for u in sorted(
-                (u for u in at if not self.units[u].children), key=lambda u: len(self.units[u].tokens)
-            ):
+            for u in leaves:
                 if batch and (len(batch) + 1) * len(self.units[u].tokens) > budget:
                     bundle.leaves[d].append(_Run(batch, d))
                     batch = []

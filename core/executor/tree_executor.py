@@ -116,6 +116,13 @@ class TreeExecutor:
             (:data:`HEAD_PRECISIONS`; :meth:`ModelAdapter.logits`): ``"model"`` (default), the LM head
             as the model's forward runs it; ``"fp32_accumulate"``, TRL's fused LM head (its gradient
             products summed in float32); ``"fp32"``, the head in float32 outside autocast.
+        level_batching: keep mode on attention-only models with split attention: run the units at
+            one depth of many trees as one forward (:mod:`.levels`; a GRPO step runs the decoder
+            about twice per bundle of groups rather than twice per group). False: depth first.
+        collapse_tokens: level batching: a node below the roots whose copies would add at most this
+            many tokens of work (``len * (children - 1)``) is computed once per child instead of
+            adding a depth, i.e. a decoder run (:func:`forkrl.core.tree.collapsed`); 0: only nodes
+            with one child (a sequence ends there), which cost nothing.
 
     Raises:
         UnsupportedModelError: for models it cannot run in this mode, naming the alternative.
@@ -135,6 +142,7 @@ class TreeExecutor:
         split_attention: bool = True,
         head_precision: HeadPrecision = "model",
         level_batching: bool = True,
+        collapse_tokens: int = 64,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not one of {MODES}")
@@ -142,6 +150,8 @@ class TreeExecutor:
         _positive_int(head_chunk_elems, "head_chunk_elems")
         _positive_int(score_batch_tokens, "score_batch_tokens")
         _positive_int(leaf_batch_tokens, "leaf_batch_tokens")
+        if isinstance(collapse_tokens, bool) or not isinstance(collapse_tokens, int) or collapse_tokens < 0:
+            raise ValueError(f"collapse_tokens={collapse_tokens!r} must be a non-negative integer")
         if head_precision not in HEAD_PRECISIONS:
             raise ValueError(f"head_precision={head_precision!r} must be one of {HEAD_PRECISIONS}")
         if prompt_grad not in PROMPT_GRADS:
@@ -168,6 +178,7 @@ class TreeExecutor:
         self.prompt_grad = prompt_grad
         self.split_attention = split_attention
         self.level_batching = level_batching
+        self.collapse_tokens = collapse_tokens
         self.head_precision = head_precision
         if mode == "packed":
             check_packed(self.adapter)

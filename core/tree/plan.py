@@ -7,6 +7,7 @@ form a chain, each the parent of the next.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -14,7 +15,7 @@ import torch
 
 from .forest import PrefixForest
 
-__all__ = ["Unit", "plan"]
+__all__ = ["Unit", "collapsed", "plan"]
 
 
 @dataclass(eq=False)
@@ -113,3 +114,71 @@ def _plan(forest: PrefixForest, block_size: int | None) -> tuple[list[Unit], lis
             parent = idx
         last_unit[node.index] = parent
     return units, roots
+
+
+def collapsed(forest: PrefixForest, max_tokens: int) -> tuple[list[Unit], list[int]]:
+    """The whole-node plan with short internal nodes below the roots copied into their children.
+
+    A level-batched pass runs the decoder once per depth of the forest, and completions that
+    share their first few tokens add a depth (a node of those tokens between the prompt and the
+    completions). Where a node's copies would add at most ``max_tokens`` tokens of work
+    (``len(node) * (children - 1)``), each child instead carries the node's tokens itself: the
+    node's keys, values and gradient are computed once per child, which sums to the same gradient.
+    Each entry the node scores goes to exactly one copy: the one of the child whose first token
+    it predicts (at the node's last row), else the first child's (so the node's last row, which
+    predicts every child's first token, is evaluated by the LM head once per copy). Roots are
+    never copied.
+
+    Returns:
+        The units in depth-first pre-order and the indices of the roots (cached per forest).
+    """
+    cache = forest.__dict__.setdefault("_plans", {})
+    key = ("collapsed", max_tokens)
+    if key not in cache:
+        units, roots = plan(forest, None)
+        cache[key] = _collapse(units, roots, max_tokens)
+    return cache[key]
+
+
+def _collapse(units: list[Unit], roots: list[int], max_tokens: int) -> tuple[list[Unit], list[int]]:
+    out: list[Unit] = []
+    new_roots: list[int] = []
+
+    def visit(unit: Unit, parent: int, depth: int) -> None:
+        kids = unit.children
+        if depth > 0 and kids and len(unit.tokens) * (len(kids) - 1) <= max_tokens:
+            for k, c in enumerate(kids):
+                visit(_prepend(unit, units[c], k == 0), parent, depth)
+            return
+        index = len(out)
+        out.append(dataclasses.replace(unit, parent=parent, children=[]))
+        (out[parent].children if parent >= 0 else new_roots).append(index)
+        for c in kids:
+            visit(units[c], index, depth + 1)
+
+    for r in roots:
+        visit(units[r], -1, 0)
+    return out, new_roots
+
+
+def _prepend(node: Unit, child: Unit, first: bool) -> Unit:
+    """``child`` with ``node``'s tokens in front, and the entries of ``node`` this copy scores."""
+    n = len(node.tokens)
+    rows = node.rows.numpy()[node.entry_row.numpy()]  # each entry's row inside the node
+    target = node.entry_target.numpy()
+    last = rows == n - 1
+    mine = (last & (target == int(child.tokens[0]))) | (~last & first)
+    all_rows = np.concatenate([rows[mine], child.rows.numpy()[child.entry_row.numpy()] + n])
+    uniq, inverse = np.unique(all_rows, return_inverse=True)
+    return dataclasses.replace(
+        child,
+        tokens=torch.from_numpy(np.concatenate([node.tokens.numpy(), child.tokens.numpy()])),
+        start=node.start,
+        rows=torch.from_numpy(uniq.astype(np.int64)),
+        entry_row=torch.from_numpy(inverse.reshape(-1).astype(np.int64)),
+        entry_ids=torch.from_numpy(np.concatenate([node.entry_ids.numpy()[mine], child.entry_ids.numpy()])),
+        entry_target=torch.from_numpy(np.concatenate([target[mine], child.entry_target.numpy()])),
+        context_only=node.context_only and child.context_only,
+        offset=0,
+        node_len=n + len(child.tokens),
+    )

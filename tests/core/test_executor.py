@@ -246,6 +246,8 @@ def test_model_without_lm_head_is_refused():
         ({"block_size": 0}, "block_size"),
         ({"temperature": 0.0}, "temperature"),
         ({"temperature": float("nan")}, "temperature"),
+        ({"collapse_tokens": -1}, "collapse_tokens"),
+        ({"collapse_tokens": 1.5}, "collapse_tokens"),
     ],
 )
 def test_bad_executor_arguments(kwargs, match):
@@ -284,7 +286,8 @@ def test_lm_head_runs_only_at_scored_rows_in_bounded_chunks():
     try:
         with Float64Mode():
             lp_d, _, g_d = _dense(model, seqs, sf, c_lp, c_ent)
-            ex = TreeExecutor(model, head_chunk_elems=limit).verify()  # the first-use probe, not counted
+            # collapse_tokens=0: no node is copied into its children (a copy scores its own rows)
+            ex = TreeExecutor(model, head_chunk_elems=limit, collapse_tokens=0).verify()  # probe not counted
             rows_seen.clear()
             model.zero_grad(set_to_none=True)
             res = ex.backward(forest, c_lp, c_ent)

@@ -54,12 +54,16 @@ def _counting(monkeypatch) -> list[int]:
     return built
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "llama-mqa", "qwen3"])
-@pytest.mark.parametrize("budget", [1, 40, 1 << 20])
-def test_many_trees_are_exact(monkeypatch, name, budget):
+@pytest.mark.parametrize(
+    "name,budget,collapse",
+    [(n, b, 64) for n in ("llama-gqa", "llama-mqa", "qwen3") for b in (1, 40, 1 << 20)]
+    + [("llama-gqa", b, c) for b in (1, 40, 1 << 20) for c in (0, 4)],
+)
+def test_many_trees_are_exact(monkeypatch, name, budget, collapse):
     """Gradients, log-probs and entropies of a level pass equal the plain computation's (float64),
     whether every tree is its own bundle and every leaf its own batch (budget 1), or a few trees
-    share a bundle, or all share one; and equal the depth-first pass's."""
+    share a bundle, or all share one; with short internal nodes copied into their children or kept
+    (every depth its own run, ancestors at several depths); and equal the depth-first pass's."""
     model = make_model(name)
     seqs, score_from = _steps()
     forest = PrefixForest.build(seqs, score_from)
@@ -72,7 +76,13 @@ def test_many_trees_are_exact(monkeypatch, name, budget):
             (a * c).sum() + (e * d).sum() for a, e, c, d in zip(lps, ents, c_lp, c_ent, strict=True)
         ).backward()
         want = grads(model)
-        ex = TreeExecutor(model, temperature=0.8, leaf_batch_tokens=budget, score_batch_tokens=budget)
+        ex = TreeExecutor(
+            model,
+            temperature=0.8,
+            leaf_batch_tokens=budget,
+            score_batch_tokens=budget,
+            collapse_tokens=collapse,
+        )
         scored = ex.score(forest, entropy=True)
         model.zero_grad(set_to_none=True)
         res = ex.backward(forest, c_lp, c_ent)
@@ -198,3 +208,36 @@ def test_cuda_kernels_fold_and_pad_exactly(monkeypatch):
     cpu = level.level_kernels_for(torch.device("cpu"), torch.float64)
     cuda_like = cpu._replace(gqa=False, masked=level._cuda_masked, masked_bwd=level._cuda_masked_bwd)
     assert level.self_check(torch.device("cpu"), torch.float64, cuda_like) is None
+
+
+@pytest.mark.parametrize("max_tokens", [0, 4, 64, 1 << 20])
+def test_a_collapsed_plan_scores_every_entry_once(max_tokens):
+    """Copying short internal nodes into their children keeps each entry in exactly one unit, each
+    unit's tokens the sequences' tokens at its positions, and never makes the forest deeper."""
+    from forkrl.core.tree import collapsed, plan
+
+    seqs, score_from = _steps()
+    forest = PrefixForest.build(seqs, score_from)
+    units, roots = collapsed(forest, max_tokens)
+    ids = torch.cat([u.entry_ids for u in units])
+    assert torch.equal(ids.sort().values, torch.arange(forest.num_entries))
+
+    def path(i: int) -> list[int]:
+        u = units[i]
+        return (path(u.parent) if u.parent >= 0 else []) + u.tokens.tolist()
+
+    def depth(us, i):
+        return 0 if us[i].parent < 0 else 1 + depth(us, us[i].parent)
+
+    for i, u in enumerate(units):
+        p = path(i)
+        assert u.start + len(u.tokens) == len(p) and any(list(s[: len(p)]) == p for s in seqs)
+    original, _ = plan(forest, None)
+    deepest = max(depth(units, i) for i in range(len(units)))
+    assert deepest <= max(depth(original, i) for i in range(len(original)))
+    assert len(roots) == sum(1 for n in forest.nodes if n.parent < 0)
+    if max_tokens == 0:  # only nodes with one child (a sequence ending there) are copied: no extra work
+        free = [i for i, u in enumerate(original) if u.parent >= 0 and len(u.children) == 1]
+        assert free and len(units) == len(original) - len(free)
+    if max_tokens == 1 << 20:
+        assert deepest == 1  # prompts, then every completion carrying what it shares below them
