@@ -98,7 +98,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     model = llama(args.model)
     bench = argparse.Namespace(
-        score_only=False, score=False, repeat=args.repeat, dense_tokens=16384, block_size=512
+        score_only=False, score=False, repeat=args.repeat, dense_tokens=16384, block_size=512, groups=1
     )
     # Warm-up (allocator, kernels, lazy imports), so the first timed method is not penalised.
     run_config(

@@ -26,10 +26,11 @@ import argparse
 import json
 
 SHAPES = {"one": (1, 256, 16, 32), "math": (32, 64, 8, 32)}
-# Method name -> TreeExecutor options ("keep" level-batches the units of many trees; its depth-first
-# pass is kept for what a level cannot run: recurrent state, sliding windows, images, replay).
+# Method name -> TreeExecutor options ("keep" level-batches the units of many trees, copying short
+# shared nodes below the prompts into their children; its depth-first pass is kept for what a level
+# cannot run: recurrent state, sliding windows, images, replay).
 METHODS = {
-    "keep": {"mode": "keep"},
+    "keep": {"mode": "keep", "collapse_tokens": 64},
     "keep-depth-first": {"mode": "keep", "level_batching": False},
     "replay": {"mode": "replay"},
     "packed": {"mode": "packed"},

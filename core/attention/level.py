@@ -291,12 +291,20 @@ def _pick(t: torch.Tensor, index: torch.Tensor | None, n: int, dtype: torch.dtyp
 
 
 def _sum_back(t: torch.Tensor, index: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor:
-    """The gradient of :func:`_pick`: ``grad`` (``[n, ...]``) summed into ``t``'s rows, laid out
-    as ``t`` is (autograd then keeps it as the leaf's ``.grad`` instead of copying it)."""
-    grad = grad.to(t.dtype)
+    """The gradient of :func:`_pick`: ``grad`` (``[n, ...]``) summed into ``t``'s rows, in float32
+    for half-precision tensors (rounded once, as the plain computation's weight-gradient GEMM sums
+    its sequences' parts) and laid out as ``t`` is (autograd then keeps it as the leaf's ``.grad``
+    instead of copying it)."""
+    acc = torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
+    if acc == t.dtype:
+        if index is None:
+            return torch.sum(grad.to(acc), 0, keepdim=True, out=torch.empty_like(t))
+        return torch.zeros_like(t).index_add_(0, index, grad.to(acc))
     if index is None:
-        return torch.sum(grad, 0, keepdim=True, out=torch.empty_like(t))
-    return torch.zeros_like(t).index_add_(0, index, grad)
+        total = grad.sum(0, keepdim=True, dtype=acc)
+    else:
+        total = torch.zeros(t.shape, dtype=acc, device=t.device).index_add_(0, index, grad.to(acc))
+    return torch.empty_like(t).copy_(total)
 
 
 def _part(kernels: LevelKernels, q, k, v, mask, scale):

@@ -14,9 +14,9 @@ as fit a token budget) and a bundle runs depth by depth:
   key/value gradient its descendants accumulated.
 
 Each unit attends to its own ancestors only (:mod:`forkrl.core.attention.level`), so a step runs
-the decoder about once per depth of a bundle (twice for GRPO groups; short nodes below the roots,
-such as a few first tokens two completions share, are copied into their children rather than
-adding a depth: :func:`forkrl.core.tree.collapsed`). Memory: a bundle's kept runs'
+the decoder about once per depth of a bundle (twice for GRPO groups; with ``collapse_tokens``,
+short nodes below the roots, such as a first token two completions share, are copied into their
+children rather than adding a depth: :func:`forkrl.core.tree.collapsed`). Memory: a bundle's kept runs'
 graphs plus one leaf batch (keep mode's, with a bundle in place of one root-to-leaf path).
 
 Run for keep-mode passes of attention-only models whose layers all attend fully, where the level

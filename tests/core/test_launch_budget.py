@@ -65,7 +65,7 @@ def test_kernel_launches_against_the_plain_computation(model, batch):
     shape, forest, coefs, dense = batch
     counts = {}
     for name, options in {
-        "keep": {},
+        "keep": {"collapse_tokens": 64},
         "depth-first": {"level_batching": False},
         "packed": {"mode": "packed"},
     }.items():
