@@ -41,58 +41,55 @@ class RecordingLayer(_Recording, compat.DynamicLayer):
     """Full-attention layer that records its new keys/values."""
 
 
-class PiecewiseLayer(RecordingLayer):
-    """Full-attention layer that keeps the ancestors' keys/values as separate pieces.
+class _CarryingLayer(RecordingLayer):
+    """Full-attention layer whose ``update`` returns only the forward's own keys/values, an alias of
+    the keys carrying the ancestors as attribute ``attr`` (None: nothing to carry), for
+    :func:`forkrl.core.attention.level.tree_attention`; no context-sized tensor is concatenated."""
 
-    ``update`` returns only the node's own keys/values, with the pieces attached for
-    :func:`forkrl.core.attention.split_attention`; no context-sized tensor is concatenated.
-    """
+    attr = ""
+
+    def __init__(self, carried, past_len: int) -> None:
+        super().__init__()
+        self.carried = carried
+        self.past_len = past_len
+
+    def update(self, key_states, value_states, *args, **kwargs):  # noqa: D102
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.new_keys, self.new_values = key_states, value_states
+        if self.carried is None:
+            return key_states, value_states
+        keys = key_states.view_as(key_states)  # an alias to carry them, not the recorded tensor
+        setattr(keys, self.attr, self.carried)
+        return keys, value_states
+
+    def get_seq_length(self) -> int:  # noqa: D102
+        return self.past_len
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:  # noqa: D102
+        return self.past_len + query_length, 0
+
+
+class PiecewiseLayer(_CarryingLayer):
+    """A depth-first unit's layer: the ancestors' keys/values as separate pieces
+    (:class:`PastPieces`, ``key.forkrl_past``)."""
+
+    attr = "forkrl_past"
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], past_len: int) -> None:
-        super().__init__()
         self.pieces = PastPieces(keys, values)
-        self.past_len = past_len
-
-    def update(self, key_states, value_states, *args, **kwargs):  # noqa: D102
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.new_keys, self.new_values = key_states, value_states
-        if self.past_len == 0:
-            return key_states, value_states
-        keys = key_states.view_as(key_states)  # an alias to carry the pieces, not the recorded tensor
-        keys.forkrl_past = self.pieces
-        return keys, value_states
-
-    def get_seq_length(self) -> int:  # noqa: D102
-        return self.past_len
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:  # noqa: D102
-        return self.past_len + query_length, 0
+        super().__init__(self.pieces if past_len > 0 else None, past_len)
 
 
-class LevelLayer(RecordingLayer):
-    """Full-attention layer of a level run (:mod:`.levels`): ``update`` returns the run's own
-    ``[N, kv, W, d]`` keys/values with the units' ancestors attached (:class:`LevelPast`, for
-    :func:`forkrl.core.attention.split_attention`; none at the roots' depth)."""
+class LevelLayer(_CarryingLayer):
+    """A level run's layer (:mod:`.levels`): the units' ancestors per depth (:class:`LevelPast`,
+    ``key.forkrl_level``; none at the roots' depth) beside the run's ``[N, kv, W, d]`` keys."""
+
+    attr = "forkrl_level"
 
     def __init__(self, past: LevelPast, past_len: int) -> None:
-        super().__init__()
         self.past = past
-        self.past_len = past_len
-
-    def update(self, key_states, value_states, *args, **kwargs):  # noqa: D102
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.new_keys, self.new_values = key_states, value_states
-        keys = key_states.view_as(key_states)  # an alias to carry the ancestors, not the recorded tensor
-        keys.forkrl_level = self.past
-        return keys, value_states
-
-    def get_seq_length(self) -> int:  # noqa: D102
-        return self.past_len
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:  # noqa: D102
-        return self.past_len + query_length, 0
+        super().__init__(past, past_len)
 
 
 class RecordingSlidingLayer(_Recording, compat.DynamicSlidingWindowLayer):
