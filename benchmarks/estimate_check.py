@@ -1,6 +1,6 @@
 """``python -m forkrl estimate``'s predicted speedup against ``benchmarks.tree_training``'s measured one.
 
-For each shape (P, G, R) a dataset of prompts of P token ids is written, ``forkrl estimate``
+For each shape (P, G, R) a dataset of prompts of P token ids is written (``--groups`` groups a step), ``forkrl estimate``
 predicts the keep mode's training speedup over stock from a fit on its own small calibration
 shapes (never the shape checked), then ``benchmarks.tree_training`` measures dense against keep
 on that shape, in this process, one after the other, on the same number of threads (``--threads``:
@@ -11,6 +11,7 @@ prediction is off by more than ``--tolerance``.
     .venv/bin/python -m benchmarks.estimate_check                       # three shapes, about two minutes
     .venv/bin/python -m benchmarks.estimate_check --runs 6              # and six estimates of the first
     .venv/bin/python -m benchmarks.estimate_check --threads 0           # all cores (a machine nothing else uses)
+    .venv/bin/python -m benchmarks.estimate_check --groups 8 --shapes 256:4:32   # steps of 8 groups
     .venv/bin/python -m benchmarks.estimate_check --shapes 512:4:256,2048:8:128 --model small
 """
 
@@ -32,8 +33,10 @@ from forkrl.core.testing.models import llama
 DEFAULT_SHAPES = "256:8:128,1024:4:64,512:16:32"
 
 
-def predicted(model, P: int, G: int, R: int, prompts: int, folder: Path, threads: int) -> dict:
-    """``forkrl estimate --json`` on ``prompts`` random P-token prompts (one group per step)."""
+def predicted(
+    model, P: int, G: int, R: int, prompts: int, folder: Path, threads: int, groups: int = 1
+) -> dict:
+    """``forkrl estimate --json`` on ``prompts`` random P-token prompts, ``groups`` a step."""
     model.config.save_pretrained(folder / "model")
     g = torch.Generator().manual_seed(P * 31 + G)
     with (folder / "prompts.jsonl").open("w") as f:
@@ -48,7 +51,7 @@ def predicted(model, P: int, G: int, R: int, prompts: int, folder: Path, threads
         "-R",
         str(R),
         "--prompts-per-step",
-        "1",
+        str(groups),
         "--price",
         "fit",
         "--no-gradient-checkpointing",
@@ -67,7 +70,8 @@ def _stability(model, args) -> dict:
     speedups = []
     for _ in range(args.runs):
         with tempfile.TemporaryDirectory() as tmp:
-            speedups.append(predicted(model, P, G, R, args.prompts, Path(tmp), args.threads)["modes"]["keep"])
+            est = predicted(model, P, G, R, args.prompts, Path(tmp), args.threads, args.groups)
+            speedups.append(est["modes"]["keep"])
     low = min(m["train_speedup"] for m in speedups)
     high = max(m["train_speedup"] for m in speedups)
     print(
@@ -82,7 +86,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny", help="a core.testing.models size: micro, tiny, mini, small")
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma list of P:G:R")
-    ap.add_argument("--prompts", type=int, default=4, help="prompts in each shape's dataset")
+    ap.add_argument(
+        "--prompts", type=int, default=4, help="prompts in each shape's dataset (at least --groups)"
+    )
+    ap.add_argument("--groups", type=int, default=1, help="GRPO groups per step, estimated and measured")
     ap.add_argument("--repeat", type=int, default=3, help="measured runs per method (median)")
     ap.add_argument("--tolerance", type=float, default=0.25, help="largest relative error accepted")
     ap.add_argument("--runs", type=int, default=0, help="more estimates of the first shape (their spread)")
@@ -94,11 +101,17 @@ def main() -> None:
         "(0: torch's default)",
     )
     args = ap.parse_args()
+    args.prompts = max(args.prompts, args.groups)
     if args.threads:
         torch.set_num_threads(args.threads)
     model = llama(args.model)
     bench = argparse.Namespace(
-        score_only=False, score=False, repeat=args.repeat, dense_tokens=16384, block_size=512, groups=1
+        score_only=False,
+        score=False,
+        repeat=args.repeat,
+        dense_tokens=16384,
+        block_size=512,
+        groups=args.groups,
     )
     # Warm-up (allocator, kernels, lazy imports), so the first timed method is not penalised.
     run_config(
@@ -108,7 +121,7 @@ def main() -> None:
     for spec in args.shapes.split(","):
         P, G, R = (int(x) for x in spec.split(":"))
         with tempfile.TemporaryDirectory() as tmp:
-            est = predicted(model, P, G, R, args.prompts, Path(tmp), args.threads)
+            est = predicted(model, P, G, R, args.prompts, Path(tmp), args.threads, args.groups)
         row = run_config(model, args.model, P, G, R, ["dense", "keep"], bench)
         row["predicted_speedup"] = est["modes"]["keep"]["train_speedup"]
         row["measured_speedup"] = row["keep_speedup"]

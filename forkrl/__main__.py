@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -28,7 +27,7 @@ HOST_DEFAULTS = {
 }
 #: Models up to this many parameters are timed on this machine under ``--price auto``.
 FIT_MAX_PARAMS = 60_000_000
-#: Timed samples per calibration shape and path under ``--price fit`` (their spread is reported).
+#: Timed samples per calibration batch and path under ``--price fit`` (their spread is reported).
 DEFAULT_REPEATS = 3
 PROG = "python -m forkrl estimate"
 
@@ -113,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
         "--repeats",
         type=int,
         metavar="N",
-        help=f"timed samples per calibration shape when the model is timed (default {DEFAULT_REPEATS}, at "
+        help=f"timed samples per calibration batch when the model is timed (default {DEFAULT_REPEATS}, at "
         "least 2): more narrow the reported spread",
     )
     est.add_argument(
@@ -210,7 +209,8 @@ def _fit(args, config, workload, options, params: int):
     from transformers import AutoModelForCausalLM
 
     from forkrl.core.estimate import fit_pricing
-    from forkrl.core.estimate.pricing import calibration_shapes
+    from forkrl.core.estimate.pricing import calibration_steps
+    from forkrl.core.estimate.workload import dense_stats
 
     repeats = args.repeats or DEFAULT_REPEATS
     # 0 asks for torch's own thread count, which fit_pricing keeps when given None.
@@ -220,14 +220,12 @@ def _fit(args, config, workload, options, params: int):
         f"timing the model here ({parameter_count(params)} parameters, random weights, {repeats} repeats)",
     )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    shapes = calibration_shapes(
-        int(statistics.median(workload.prompt_lengths())),
-        workload.group_size,
-        int(statistics.median(workload.completion_lengths())),
-    )
+    # The median step by the stock path's tokens is the one the batches are cut from.
+    by_size = sorted(workload.steps, key=lambda st: dense_stats(st, args.micro_batch_tokens)[0].tokens)
+    steps = calibration_steps(by_size[len(by_size) // 2])
     return fit_pricing(
         model,
-        shapes,
+        steps,
         args.micro_batch_tokens,
         options.replay_block_size,
         1 << 13,

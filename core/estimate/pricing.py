@@ -7,9 +7,13 @@ spread). :func:`fit_pricing` and :func:`config_pricing` are the two sources; a s
 repeated measurements leaves ``repeats`` empty and its estimate has no spread.
 
 Fitting builds the model from its config (random weights: a step's time does not depend on them),
-times the stock path and each tree mode on a few small GRPO-shaped batches derived from the
-workload, and fits one :class:`~forkrl.core.balance.CostModel` per path (seconds as a non-negative
-linear function of tokens, attended pairs, units and scored rows).
+times the stock path and each tree mode on six batches cut from one of the workload's own steps
+(:func:`calibration_steps`: its groups, what they share and its completions, with one or two of
+its sizes halved), and fits one :class:`~forkrl.core.balance.CostModel` per path (seconds as a
+non-negative linear function of tokens, attended pairs, units and scored rows). Cut from the step,
+the batches have its mix of units, tokens and scored rows, so the fit interpolates to the step
+(lone groups cut from a step of many groups sharing a document left the units of the tree 8 times
+outside what was timed, and identical estimates differed by 1.7x).
 
 A shared machine makes timings unreliable, and one way dominates: timed with as many threads as
 cores, every parallel operation waits for its slowest thread, and while another process holds a
@@ -23,9 +27,8 @@ sample runs the call until it lasts ``min_seconds`` (short calls are mostly time
 jitter), the paths of a shape are timed back to back in every repeat (load that changes over the
 fit hits stock and tree alike), and the fit takes each point's median over the repeats, since a
 fit of four coefficients to six points amplifies whatever noise its points carry when it
-extrapolates to the workload's larger shapes. The prediction is for the thread count timed: the
-tree's speedup on one thread is not its speedup on many.
-The shapes priced later are the workload's own, larger ones: the fit never sees them.
+extrapolates. The prediction is for the thread count timed: the tree's speedup on one thread is
+not its speedup on many. The steps priced later are the workload's own: the fit never times them.
 Autograd's saved bytes are measured on the same batches, per held token and per scored row.
 """
 
@@ -46,13 +49,15 @@ from ..balance.plan import forest_stats
 from ..errors import UnsupportedModelError
 from ..executor import TreeExecutor
 from ..testing.memory import SavedBytes
-from .workload import Step, dense_stats, tree_peaks
+from .workload import Step, dense_stats, micro_batches, tree_peaks
 
 __all__ = [
     "TREE_MODES",
     "PathCosts",
     "Pricing",
-    "calibration_shapes",
+    "CALIBRATION_BOUNDS",
+    "calibration_coefs",
+    "calibration_steps",
     "config_pricing",
     "dense_step",
     "fit_pricing",
@@ -115,24 +120,47 @@ def grpo_batch(P: int, G: int, R: int, vocab: int, seed: int = 0):
 
 
 def dense_step(model: nn.Module, seqs, score_from, coefs, max_tokens: int, grad: bool) -> list[torch.Tensor]:
-    """The plain path on equal-length sequences: micro-batches of at most ``max_tokens`` tokens,
-    logits only for the completions; with ``grad``, backward of ``sum(coef * logprob)``.
+    """The plain path: the rows in the stock path's micro-batches of at most ``max_tokens`` padded
+    tokens (:func:`~.workload.micro_batches`; prompts left-padded and completions right-padded to a
+    micro-batch's longest, with an attention mask where any row is padded), logits only for the
+    completion columns; with ``grad``, backward of ``sum(coef * logprob)``.
+
+    Args:
+        seqs: ``[P_i + R_i]`` token tensors.
+        score_from: each row's prompt length ``P_i``.
+        coefs: ``[R_i]`` coefficient tensors.
 
     Returns:
-        Per micro-batch, its ``[rows, R]`` log-probs (detached).
+        Per micro-batch, its ``[rows, longest R]`` log-probs (detached; padded columns are log-probs
+        of the pad token).
     """
-    length = len(seqs[0])
-    mb = max(1, max_tokens // length)
     device = next(model.parameters()).device
     out = []
-    for i in range(0, len(seqs), mb):
-        ids = torch.stack(list(seqs[i : i + mb])).to(device)
-        sf = score_from[i]
+    lengths = [len(s) for s in seqs]
+    for first, n, prompt_max, completion_max in micro_batches(score_from, lengths, max_tokens):
+        rows = range(first, first + n)
+        ids = torch.zeros(n, prompt_max + completion_max, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        weights = torch.zeros(n, completion_max, dtype=coefs[first].dtype)
+        for j, i in enumerate(rows):
+            start, end = prompt_max - score_from[i], prompt_max + lengths[i] - score_from[i]
+            ids[j, start:end] = torch.as_tensor(seqs[i])
+            mask[j, start:end] = 1
+            weights[j, : end - prompt_max] = coefs[i]
+        ids = ids.to(device)
+        # Where a row is padded, the mask and positions counted from its first token, as hosts pass.
+        padded = {"attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
         with torch.set_grad_enabled(grad):
-            logits = model(input_ids=ids, logits_to_keep=length - sf + 1, use_cache=False).logits[:, :-1]
-            lp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, sf:, None])[..., 0]
+            logits = model(
+                input_ids=ids,
+                **({k: v.to(device) for k, v in padded.items()} if bool((mask == 0).any()) else {}),
+                logits_to_keep=completion_max + 1,
+                use_cache=False,
+            ).logits[:, :-1]
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # half: scored in float32
+            lp = torch.log_softmax(logits, -1).gather(-1, ids[:, prompt_max:, None])[..., 0]
             if grad:
-                (lp * torch.stack(list(coefs[i : i + mb])).to(lp.device)).sum().backward()
+                (lp * weights.to(lp.device)).sum().backward()
         out.append(lp.detach())
     return out
 
@@ -140,14 +168,60 @@ def dense_step(model: nn.Module, seqs, score_from, coefs, max_tokens: int, grad:
 # ---------------------------------------------------------------------------- fitting
 
 
-def calibration_shapes(prompt: int, group: int, completion: int) -> list[tuple[int, int, int]]:
-    """Six (P, G, R) around the workload's median prompt, group size and completion length: each
-    halves one or two of them (so the fit never times the shape it prices, and extrapolates at
-    most twice), capped at 2048 prompt tokens, 16 completions and 512 completion tokens (the fit
-    stays within a minute on a CPU; larger workloads are extrapolated further)."""
-    P, G, R = min(prompt, 2048), min(group, 16), min(completion, 512)
-    p, g, r = max(8, P // 2), max(2, G // 2), max(8, R // 2)
-    return [(p, G, R), (P, g, R), (P, G, r), (p, g, R), (p, G, r), (P, g, r)]
+#: Bounds of the step the calibration batches are cut from: tokens per prompt and completion,
+#: completions per group, and padded stock-path tokens (groups past it are left out, at least one
+#: kept). They keep a fit within about a minute on a CPU; larger steps are extrapolated.
+CALIBRATION_BOUNDS = {"prompt": 2048, "completion": 512, "group": 16, "tokens": 16384}
+
+
+def calibration_steps(step: Step, bounds: dict[str, int] | None = None) -> list[Step]:
+    """Six batches cut from one of the workload's steps, so the fit sees its structure (groups of a
+    step sharing a document, logged completions opening alike) and interpolates to it, instead of
+    extrapolating from lone groups: the step, bounded by ``bounds`` (:data:`CALIBRATION_BOUNDS`),
+    with one or two of its prompts, group sizes and completions halved. A prompt is halved by
+    keeping every other token, which keeps what prompts share at their start shared; a group keeps
+    its first completions and a completion its first tokens. None is the step itself, so the fit
+    never times the shape it prices.
+    """
+    b = {**CALIBRATION_BOUNDS, **(bounds or {})}
+    groups: list[tuple[list[int], list[list[int]]]] = []  # (prompt, completions), rows in order
+    for seq, sf in zip(step.sequences, step.score_from, strict=True):
+        prompt = list(seq[:sf])
+        if not groups or groups[-1][0] != prompt:
+            groups.append((prompt, []))
+        groups[-1][1].append(list(seq[sf:]))
+    groups = [(p[: b["prompt"]], [c[: b["completion"]] for c in cs[: b["group"]]]) for p, cs in groups]
+    kept, tokens = [], 0
+    for prompt, completions in groups:
+        size = sum(len(prompt) + len(c) for c in completions)
+        if kept and tokens + size > b["tokens"]:
+            break
+        kept.append((prompt, completions))
+        tokens += size
+
+    def cut(half_prompt: bool, half_group: bool, half_completion: bool) -> Step:
+        seqs, sf = [], []
+        for prompt, completions in kept:
+            p = prompt[::2] if half_prompt and len(prompt) > 1 else prompt
+            cs = completions[: max(1, len(completions) // 2)] if half_group else completions
+            for c in cs:
+                seqs.append(p + (c[: max(1, len(c) // 2)] if half_completion else c))
+                sf.append(len(p))
+        return Step(seqs, sf)
+
+    halves = ((1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 1, 0), (1, 0, 1), (0, 1, 1))
+    return [cut(*map(bool, h)) for h in halves]
+
+
+def calibration_coefs(step: Step, seed: int = 0) -> list[torch.Tensor]:
+    """Random per-token coefficients of ``step``'s completions (``sum(coef * logprob)`` stands in for
+    a host's loss): one ``[R_i]`` tensor per row."""
+    g = torch.Generator().manual_seed(seed)
+    rows = len(step.sequences)
+    return [
+        torch.randn(len(s) - sf, generator=g) / (rows * (len(s) - sf))
+        for s, sf in zip(step.sequences, step.score_from, strict=True)
+    ]
 
 
 def _timed(
@@ -165,7 +239,7 @@ def _timed(
 
 def fit_pricing(
     model: nn.Module,
-    shapes: list[tuple[int, int, int]],
+    steps: list[Step],
     micro_batch_tokens: int,
     block_size: int,
     leaf_batch_tokens: int,
@@ -176,11 +250,11 @@ def fit_pricing(
     score: bool = True,
     progress: Callable[[str], None] = lambda _: None,
 ) -> Pricing:
-    """Time every path on ``shapes`` ``repeats`` times and fit the models (module docstring).
+    """Time every path on ``steps`` ``repeats`` times and fit the models (module docstring).
 
     Args:
         model: the user's model, built from its config (weights do not matter).
-        shapes: the calibration shapes ``(P, G, R)`` (:func:`calibration_shapes`).
+        steps: the calibration batches (:func:`calibration_steps`; at least 4).
         micro_batch_tokens: the stock path's micro-batch bound in padded tokens.
         block_size: replay's block size.
         leaf_batch_tokens: the executors' leaf batch bound.
@@ -199,8 +273,11 @@ def fit_pricing(
         fit per repeat) and ``timing_spread``; a tree mode the model refuses is in ``refused``.
 
     Raises:
-        ValueError: ``repeats`` below 2, ``min_seconds`` negative or ``threads`` below 1.
+        ValueError: fewer than 4 steps, ``repeats`` below 2, ``min_seconds`` negative or
+            ``threads`` below 1.
     """
+    if len(steps) < 4:
+        raise ValueError(f"fit_pricing: {len(steps)} steps: a cost model has 4 coefficients to fit")
     if repeats < 2:
         raise ValueError(f"fit_pricing: repeats={repeats}: the spread needs at least 2 repeats")
     if not min_seconds >= 0:
@@ -211,12 +288,12 @@ def fit_pricing(
     model.train()
     executors, refused = _executors(model, block_size, leaf_batch_tokens)
 
-    def runs(k: int, shape: tuple[int, int, int]) -> dict[str, _Run]:
-        batch = grpo_batch(*shape, vocab, seed=k)
+    def runs(k: int, step: Step) -> dict[str, _Run]:
         return _runs(
             model,
             executors,
-            batch,
+            step,
+            calibration_coefs(step, seed=k),
             micro_batch_tokens,
             block_size,
             leaf_batch_tokens,
@@ -233,11 +310,11 @@ def fit_pricing(
         # On one thread every operation runs on the calling thread: its CPU time is the work,
         # without the time other processes held the core.
         clock = time.thread_time if used == 1 else time.perf_counter
-        timings = _measure(model, shapes, runs, repeats, min_seconds, clock, progress)
+        timings = _measure(model, steps, runs, repeats, min_seconds, clock, progress)
     finally:
         torch.set_num_threads(before)
     return Pricing(
-        how=f"fitted on this machine ({_processor()}) to {len(shapes)} shapes timed {repeats} times each on "
+        how=f"fitted on this machine ({_processor()}) to {len(steps)} batches cut from a step, timed {repeats} times each on "
         f"{used} thread{'s' if used > 1 else ''}",
         costs=timings.costs(statistics.median),
         saved_bytes={name: _per_token(r) for name, r in timings.saved.items()},
@@ -281,8 +358,8 @@ class _Timings:
 
 def _measure(
     model: nn.Module,
-    shapes: list[tuple[int, int, int]],
-    runs_of: Callable[[int, tuple[int, int, int]], dict[str, _Run]],
+    steps: list[Step],
+    runs_of: Callable[[int, Step], dict[str, _Run]],
     repeats: int,
     min_seconds: float,
     clock: Callable[[], float],
@@ -291,9 +368,12 @@ def _measure(
     meter = SavedBytes()
     saved: dict[str, list[tuple[PieceStats, float]]] = {}
     batches = []
-    for k, shape in enumerate(shapes):
-        progress(f"preparing shape {k + 1}/{len(shapes)}: P={shape[0]} G={shape[1]} R={shape[2]}")
-        runs = runs_of(k, shape)
+    for k, step in enumerate(steps):
+        progress(
+            f"preparing batch {k + 1}/{len(steps)}: {len(step.sequences)} rows, "
+            f"{step.forest.dense_tokens} tokens ({step.forest.unique_tokens} in the tree)"
+        )
+        runs = runs_of(k, step)
         calls = {}
         for name, (_, peak, fn) in runs.items():
             # The first call at a shape is untimed: it grows the allocator, runs first-use work and
@@ -308,9 +388,9 @@ def _measure(
                     (PieceStats(tokens=peak[0], scored=peak[1]), float(meter.peak))
                 )
         batches.append((runs, calls))
-    seconds: dict[str, list[list[float]]] = {name: [[] for _ in shapes] for name in batches[0][0]}
+    seconds: dict[str, list[list[float]]] = {name: [[] for _ in steps] for name in batches[0][0]}
     for rep in range(repeats):
-        progress(f"timing repeat {rep + 1}/{repeats} of {len(shapes)} shapes")
+        progress(f"timing repeat {rep + 1}/{repeats} of {len(steps)} batches")
         for k, (runs, calls) in enumerate(batches):
             for name, (_, _, fn) in runs.items():
                 seconds[name][k].append(_timed(model, fn, calls[name], clock))
@@ -320,11 +400,18 @@ def _measure(
 
 
 def _runs(
-    model, executors, batch, micro_batch_tokens, block_size, leaf_batch_tokens, gradient_checkpointing, score
+    model,
+    executors,
+    step: Step,
+    coefs: list[torch.Tensor],
+    micro_batch_tokens,
+    block_size,
+    leaf_batch_tokens,
+    gradient_checkpointing,
+    score,
 ) -> dict[str, _Run]:
     """Every path's :data:`_Run` on one batch (the scoring passes only with ``score``)."""
-    seqs, sf, coefs = batch
-    step = Step([s.tolist() for s in seqs], sf)
+    seqs, sf = step.sequences, step.score_from
     dense, dense_peak = dense_stats(step, micro_batch_tokens)
     tree, peaks = forest_stats(step.forest), tree_peaks(step, leaf_batch_tokens, block_size)
     runs: dict[str, _Run] = {

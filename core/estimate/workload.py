@@ -30,7 +30,15 @@ from ..balance.cost import PieceStats
 from ..balance.plan import forest_stats, trees_of_forest
 from ..tree import PrefixForest
 
-__all__ = ["Step", "Workload", "check_source", "dense_stats", "load_rows", "read_workload"]
+__all__ = [
+    "Step",
+    "Workload",
+    "check_source",
+    "dense_stats",
+    "load_rows",
+    "micro_batches",
+    "read_workload",
+]
 
 #: Where a prompt is looked for in a row, by host (their dataset conventions), then the others.
 PROMPT_KEYS = {"trl": ("prompt",), "verl": ("prompt",), "openrlhf": ("input", "prompt")}
@@ -357,31 +365,45 @@ def _check_logged(groups, group_size: int | None, completion_length: int | None)
 # ---------------------------------------------------------------------------- pricing shapes
 
 
+def micro_batches(
+    score_from: Sequence[int], lengths: Sequence[int], micro_batch_tokens: int
+) -> list[tuple[int, int, int, int]]:
+    """The stock path's micro-batches of rows in order: each takes rows while its padded size (rows
+    times longest prompt plus longest completion) stays within ``micro_batch_tokens`` (at least one
+    row).
+
+    Returns:
+        Per micro-batch ``(first row, rows, longest prompt, longest completion)``.
+    """
+    out, i = [], 0
+    while i < len(lengths):
+        prompt_max, completion_max, n = 0, 0, 0
+        while i + n < len(lengths):
+            p = max(prompt_max, score_from[i + n])
+            c = max(completion_max, lengths[i + n] - score_from[i + n])
+            if n and (n + 1) * (p + c) > micro_batch_tokens:
+                break
+            prompt_max, completion_max, n = p, c, n + 1
+        out.append((i, n, prompt_max, completion_max))
+        i += n
+    return out
+
+
 def dense_stats(step: Step, micro_batch_tokens: int) -> tuple[PieceStats, tuple[float, float]]:
-    """The stock path's shape: the step's rows in order, in micro-batches of at most
-    ``micro_batch_tokens`` padded tokens, prompts left-padded and completions right-padded to the
-    micro-batch's longest, the head over the completion columns.
+    """The stock path's shape: the step's rows in :func:`micro_batches`, prompts left-padded and
+    completions right-padded to the micro-batch's longest, the head over the completion columns.
 
     Returns:
         The summed :class:`PieceStats` (one unit per micro-batch) and the largest micro-batch's
         ``(tokens, scored)`` (what its activations hold at the peak).
     """
     total, peak = PieceStats(), (0.0, 0.0)
-    rows = list(zip(step.sequences, step.score_from, strict=True))
-    i = 0
-    while i < len(rows):
-        prompt_max, completion_max, n = 0, 0, 0
-        while i + n < len(rows):
-            seq, sf = rows[i + n]
-            p, c = max(prompt_max, sf), max(completion_max, len(seq) - sf)
-            if n and (n + 1) * (p + c) > micro_batch_tokens:
-                break
-            prompt_max, completion_max, n = p, c, n + 1
+    lengths = [len(s) for s in step.sequences]
+    for _, n, prompt_max, completion_max in micro_batches(step.score_from, lengths, micro_batch_tokens):
         length = prompt_max + completion_max
         mb = PieceStats(n * length, n * length * (length + 1) / 2, 1.0, n * completion_max)
         total = total + mb
         peak = max(peak, (mb.tokens, mb.scored))
-        i += n
     return total, peak
 
 
