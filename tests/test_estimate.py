@@ -451,6 +451,7 @@ STABLE_WITHIN = 1.25
 def test_repeated_estimates_agree_and_print_their_spread(model_dir, tmp_path, capsys):
     data = _jsonl(tmp_path / "p.jsonl", [{"prompt": p} for p in _prompts(16)])
     argv = ["--model", model_dir, "--dataset", data, "-G", "4", "-R", "16", "--price", "fit"]
+    argv += ["--prompts-per-step", "4"]  # CI time: a step of 6.6k tokens, timed in about 7 s
     runs = [_estimate(capsys, *argv) for _ in range(2)]
     for r in runs:
         assert r["stock"]["step_speedup"] == 1.0 and set(r["timing_spread"]) >= {"dense", "keep"}

