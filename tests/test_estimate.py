@@ -329,6 +329,21 @@ def test_stock_is_picked_with_a_warning_when_no_tree_mode_is_faster():
     assert est.pick == "replay" and any("set tree_mode=keep" in w for w in est.warnings)
 
 
+def test_a_mode_the_model_refuses_is_not_picked_for_auto():
+    """With the host's gradient checkpointing on, tree_mode=auto would replay; a model that refuses
+    replay would fail at its first step, so the pick names the fastest mode it runs, to set by name."""
+    config = AutoConfig.for_model(
+        "llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_attention_heads=4
+    )
+    pricing = _pricing({"keep": CostModel(per_token=0.2), "packed": CostModel(per_token=0.3)})
+    pricing.refused = {"replay": "replay needs a cache this model does not keep"}
+    est = estimate(_workload(shared=30, group=4), pricing, config, 1 << 14, 0, gradient_checkpointing=True)
+    assert est.auto_mode == "replay" and est.pick == "keep"
+    assert "set tree_mode=keep" in est.reason and "refuses" in est.reason
+    assert any("replay needs a cache" in w for w in est.warnings)
+    assert format_report(est).splitlines()[-1].startswith("pick: tree_mode=keep: set tree_mode=keep (")
+
+
 def test_a_gain_under_five_percent_picks_stock():
     """A tree mode predicted faster than stock, but by less than MIN_GAIN: stock, saying why."""
     from forkrl.core.estimate import MIN_GAIN

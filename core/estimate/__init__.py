@@ -75,7 +75,8 @@ class ModeEstimate:
 class Estimate:
     """The estimate of one workload (:func:`estimate`).
 
-    ``pick`` is what to run: ``"stock"`` (tree_packing off) when no tree mode is predicted at least
+    ``pick`` is what to run (a mode other than ``auto_mode`` where the model refuses auto's): ``"stock"``
+    (tree_packing off) when no tree mode is predicted at least
     :data:`MIN_GAIN` times as fast as stock, else the mode ``tree_mode="auto"`` runs (``auto_mode``), with ``reason``.
     ``warnings`` has a line for every tree mode predicted slower than stock and for a pick whose
     speedup is within the timings' spread of 1.
@@ -194,7 +195,7 @@ def estimate(
 
     modes = {name: mode(name) for name in TREE_MODES if name in point.train}
     auto, reason = _auto(options, longest, gradient_checkpointing)
-    pick, reason, warnings = _pick(auto, reason, modes)
+    pick, reason, warnings = _pick(auto, reason, modes, pricing.refused)
     return Estimate(
         prompts=workload.prompts,
         steps=len(workload.steps),
@@ -238,9 +239,12 @@ def _auto(options: TreeOptions, longest: int, gradient_checkpointing: bool) -> t
     )
 
 
-def _pick(auto: str, reason: str, modes: dict[str, ModeEstimate]) -> tuple[str, str, list[str]]:
-    """Stock when no tree mode's predicted step speedup reaches :data:`MIN_GAIN`, else auto's mode; a warning for
-    each mode predicted slower than stock and for a pick within the spread of 1."""
+def _pick(
+    auto: str, reason: str, modes: dict[str, ModeEstimate], refused: dict[str, str]
+) -> tuple[str, str, list[str]]:
+    """Stock when no tree mode's predicted step speedup reaches :data:`MIN_GAIN`, else auto's mode (the
+    fastest mode, to be set by name, where the model refuses auto's); a warning for each mode predicted
+    slower than stock and for a pick within the spread of 1."""
     warnings = [
         f"warning: tree_mode={name} is predicted slower than stock on this workload: {_step(m)} per step"
         for name, m in modes.items()
@@ -260,6 +264,12 @@ def _pick(auto: str, reason: str, modes: dict[str, ModeEstimate]) -> tuple[str, 
             f"tree must gain to be switched on, so tree_packing stays off (tree_mode=auto would run {auto})"
         )
         return "stock", why, warnings
+    if auto not in modes:  # the model refuses the mode auto would run: it would fail at the first step
+        warnings.append(
+            f"warning: tree_mode=auto would run {auto} here, which this model refuses: {refused.get(auto)}"
+        )
+        why = f"set tree_mode={best.mode} ({_step(best)} per step): tree_mode=auto would run {auto}, which this model refuses"
+        return best.mode, why, warnings
     chosen = modes[auto]
     if chosen.step_speedup < 1.0:
         warnings.append(
@@ -326,5 +336,9 @@ def format_report(est: Estimate) -> str:
     if est.pick == "stock":
         lines.append(f"pick: stock (tree_packing off): {est.reason}")
     else:
-        lines.append(f"tree_mode=auto picks {est.pick}: {est.reason}")
+        lines.append(
+            f"tree_mode=auto picks {est.pick}: {est.reason}"
+            if est.pick == est.auto_mode
+            else f"pick: tree_mode={est.pick}: {est.reason}"
+        )
     return "\n".join(lines)
