@@ -169,8 +169,8 @@ def dense_step(model: nn.Module, seqs, score_from, coefs, max_tokens: int, grad:
 
 
 #: Bounds of the step the calibration batches are cut from: tokens per prompt and completion,
-#: completions per group, and padded stock-path tokens (groups past it are left out, at least one
-#: kept). They keep a fit within about a minute on a CPU; larger steps are extrapolated.
+#: completions per group, and the step's tokens as independent rows (groups past it are left out,
+#: at least one kept). They keep a fit within about a minute on a CPU; larger steps are extrapolated.
 CALIBRATION_BOUNDS = {"prompt": 2048, "completion": 512, "group": 16, "tokens": 16384}
 
 
@@ -411,7 +411,8 @@ def _runs(
     score,
 ) -> dict[str, _Run]:
     """Every path's :data:`_Run` on one batch (the scoring passes only with ``score``)."""
-    seqs, sf = step.sequences, step.score_from
+    # Token tensors made once, outside the timed calls, as a host's collated batch would be.
+    seqs, sf = [torch.tensor(s) for s in step.sequences], step.score_from
     dense, dense_peak = dense_stats(step, micro_batch_tokens)
     tree, peaks = forest_stats(step.forest), tree_peaks(step, leaf_batch_tokens, block_size)
     runs: dict[str, _Run] = {
