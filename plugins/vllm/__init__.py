@@ -46,6 +46,7 @@ def register() -> None:
     except ImportError:  # a vLLM build without the CPU worker
         return
     _wrap_load_model(CPUModelRunner, cpu=True)
+    _wrap_cpu_reload(CPUModelRunner)
 
 
 def _wrap_load_model(runner_class: type, cpu: bool) -> None:
@@ -73,6 +74,27 @@ def _wrap_load_model(runner_class: type, cpu: bool) -> None:
 
     load_model._forkrl_wrapped = True  # type: ignore[attr-defined]
     runner_class.load_model = load_model
+
+
+def _wrap_cpu_reload(runner_class: type) -> None:
+    """Keep linear weights dense through vLLM's own ``reload_weights`` too (forkrl drafter engines only).
+
+    The layerwise reload processes each layer again after loading (the CPU worker's repacking
+    would then empty the dense weight its copy-back reads).
+    """
+    original = runner_class.reload_weights
+    if getattr(original, "_forkrl_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def reload_weights(self: Any, *args: Any, **kwargs: Any) -> None:
+        if not forkrl_drafter(self):
+            return original(self, *args, **kwargs)
+        with _dense_cpu_linears():
+            return original(self, *args, **kwargs)
+
+    reload_weights._forkrl_wrapped = True  # type: ignore[attr-defined]
+    runner_class.reload_weights = reload_weights
 
 
 @contextlib.contextmanager

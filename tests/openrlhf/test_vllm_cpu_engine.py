@@ -1,14 +1,16 @@
 """forkrl's self-drafter through real vLLM engines on this CPU (vllm-cpu, the version OpenRLHF pins).
 
 :mod:`tests.openrlhf.vllm_cpu_engine` runs the engines (one process, in turn) and writes what
-they produced; here: with forkrl's int4 drafter vLLM's greedy output equals plain decoding, before
-and after the policy's weights are synced into the target the way hosts sync them, its samples at
-temperature 1 follow the same distribution as plain sampling's (a two-sample chi-square test, with
-another policy's samples as the control that the test can see a difference; vllm-cpu's own
-stand-in for one rejection-sampler kernel fails it, forkrl's plugin replaces it), the drafter after
-the sync is bitwise forkrl's quantization of the new weights (every layer), and the engine drafts
-and accepts exactly what an engine started from the new weights does. The same run without
-forkrl's mirror drafts with the old weights: its counts differ, so the check can fail.
+they produced; here: with forkrl's int4 and int8 drafters vLLM's greedy output equals plain
+decoding over prompts of different lengths with stop tokens, before and after each of two syncs
+(vLLM's own ``reload_weights`` from a checkpoint, and the hosts' ``load_weights`` one tensor at a
+time); its samples at temperature 1, with and without top-p, follow the same distribution as plain
+sampling's (two-sample chi-square tests, with another policy's samples as the control that the
+test can see a difference; vllm-cpu's own stand-in for one rejection-sampler kernel fails it,
+forkrl's plugin replaces it); after each sync the drafter is bitwise forkrl's quantization of the
+new weights (every layer) and the engine drafts and accepts exactly what an engine started from
+the new weights does. The same run without forkrl's mirror drafts with the old weights: its counts
+differ, so the check can fail.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.openrlhf.vllm_cpu_engine import PROMPTS
 
 pytest.importorskip("vllm")
 
@@ -71,26 +75,48 @@ def test_vllm_serves_on_this_cpu_with_forkrls_plugin():
     assert current_platform.is_cpu(), "this environment's vLLM is not the CPU build (scripts/setup.sh)"
 
 
-def test_greedy_output_equals_plain_decoding_before_and_after_a_sync(run):
+def test_greedy_output_equals_plain_decoding_before_and_after_each_sync(run):
     assert run["mirror"]
     assert run["spec0"] == run["plain0"]
-    assert run["spec1"] == run["plain1"] == run["fresh1"]
-    assert run["spec1"] != run["spec0"]  # the sync changed the policy
-    for counts in (run["spec0_counts"], run["spec1_counts"]):
+    assert run["spec1"] == run["plain1"] == run["fresh1"]  # after vLLM's reload_weights
+    assert run["spec2"] == run["plain2"] == run["fresh2"]  # after the hosts' load_weights per tensor
+    assert run["spec1"] != run["spec0"] and run["spec2"] != run["spec1"]  # each sync changed the policy
+    lengths = {len(c) for c in run["plain0"] + run["plain1"]}
+    assert min(lengths) < 24 and max(lengths) == 24  # some rows end at a stop token, others run on
+    assert len({len(p) for p in PROMPTS}) == len(PROMPTS)
+    for k in range(3):
+        counts = run[f"spec{k}_counts"]
         assert counts["draft_tokens"] > 0 and 0 < counts["accepted"] < counts["draft_tokens"]
 
 
-def test_samples_follow_the_policys_distribution(run):
-    p_same = homogeneity_pvalue(run["spec0_samples"], run["plain0_samples"])
-    p_other = homogeneity_pvalue(run["spec0_samples"], run["plain1_samples"])
-    assert p_same > 1e-3, (p_same, p_other)
-    assert p_other < 1e-6, p_other  # the test sees a policy one noisy update away
+def test_an_int8_drafter_is_exact_and_the_quantized_policy(run):
+    assert run["int8"] == run["plain0"]
+    matches = run["int8_drafter_matches_w0"]
+    assert len(matches) >= 14 and all(matches.values()), matches
+    assert run["int8_counts"]["accepted"] > run["spec0_counts"]["accepted"] * 0.5
 
 
-def test_the_drafter_is_the_quantized_new_policy_after_a_sync(run):
-    matches = run["drafter_matches_w1"]
+def _pvalues(a: list[list[int]], b: list[list[int]]) -> list[float]:
+    """Homogeneity p-values of the first token, the first two and all three."""
+    return [homogeneity_pvalue([x[:k] for x in a], [x[:k] for x in b]) for k in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("top_p", ["samples", "top_p"])
+def test_samples_follow_the_policys_distribution(run, top_p):
+    p_same = _pvalues(run[f"spec0_{top_p}"], run[f"plain0_{top_p}"])
+    p_other = _pvalues(run[f"spec0_{top_p}"], run["plain1_samples"])
+    assert min(p_same) > 1e-3, (p_same, p_other)
+    assert min(p_other) < 1e-6, p_other  # the test sees a policy one noisy update away
+    if top_p == "top_p":  # and sees what top-p removes
+        assert min(_pvalues(run["spec0_top_p"], run["plain0_samples"])) < 1e-4
+
+
+@pytest.mark.parametrize("sync", ["w1", "w2"])
+def test_the_drafter_is_the_quantized_new_policy_after_each_sync(run, sync):
+    matches = run[f"drafter_matches_{sync}"]
     assert len(matches) >= 14 and all(matches.values()), matches  # 2 layers x 4 linears + dense tensors
-    assert run["spec1_counts"] == run["fresh1_counts"]  # drafts exactly as if started from W1
+    k = sync[1]
+    assert run[f"spec{k}_counts"] == run[f"fresh{k}_counts"]  # drafts exactly as if started from it
 
 
 @pytest.fixture(scope="module")
@@ -101,15 +127,17 @@ def controls(tmp_path_factory) -> dict:
     return _run(tmp_path_factory.mktemp("controls"), "--no-mirror", "--vllm-expand")
 
 
-def test_without_the_mirror_the_drafter_is_stale(controls):
+@pytest.mark.parametrize("sync", ["w1", "w2"])
+def test_without_the_mirror_the_drafter_is_stale(controls, sync):
     assert not controls["mirror"]
-    assert controls["spec1"] == controls["plain1"]  # still exact: vLLM verifies every draft
-    assert controls["spec1_counts"] != controls["fresh1_counts"]
-    assert not any(controls["drafter_matches_w1"].values())
+    k = sync[1]
+    assert controls[f"spec{k}"] == controls[f"plain{k}"]  # still exact: vLLM verifies every draft
+    assert controls[f"spec{k}_counts"] != controls[f"fresh{k}_counts"]
+    assert not any(controls[f"drafter_matches_{sync}"].values())
 
 
 def test_vllms_own_cpu_expand_kernel_samples_off_the_distribution(controls):
     """The control for the plugin's replacement of vllm-cpu's ``expand_kernel`` stand-in: with
     vLLM's own, speculative samples at temperature 1 are not the policy's."""
     assert controls["spec0"] == controls["plain0"]
-    assert homogeneity_pvalue(controls["spec0_samples"], controls["plain0_samples"]) < 1e-6
+    assert min(_pvalues(controls["spec0_samples"], controls["plain0_samples"])) < 1e-6
