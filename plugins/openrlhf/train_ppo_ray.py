@@ -113,12 +113,21 @@ def main(argv: Sequence[str] | None = None) -> None:
             compat.swapped("openrlhf.trainer.ray.launcher", ReferenceModelActor=actors.ReferenceModelActor)
         )
         if options.speculative_rollout:
+            from openrlhf.trainer import ppo_trainer, ppo_trainer_async
             from openrlhf.trainer.ray import vllm_engine
 
-            from .rollout import SpeculativeRolloutActor
+            from .rollout import SpeculativeRolloutActor, speculative_trainer
 
             engine = SpeculativeRolloutActor(vllm_engine.RolloutRayActor, options)
             stack.enter_context(compat.swapped(vllm_engine, RolloutRayActor=engine))
+            stack.enter_context(
+                compat.swapped(ppo_trainer, PPOTrainer=speculative_trainer(ppo_trainer.PPOTrainer))
+            )
+            stack.enter_context(
+                compat.swapped(
+                    ppo_trainer_async, TrainingActor=speculative_trainer(ppo_trainer_async.TrainingActor)
+                )
+            )
         run_host(rest)
 
 

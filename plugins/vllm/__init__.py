@@ -20,14 +20,23 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Iterator
 from typing import Any
 
 from .mirror import DrafterMirror, forkrl_drafter, install_mirror
 
-__all__ = ["CHECKED", "DrafterMirror", "install_mirror", "register"]
+__all__ = ["CHECKED", "DENSE_CPU", "DrafterMirror", "install_mirror", "register"]
 
 CHECKED = "vllm 0.29.0"
+
+#: Set to ``1`` where a host syncs weights into vLLM engines on its CPU worker without forkrl's
+#: drafter (forkrl's CPU runs): their linear weights stay dense too, so ``load_weights`` works.
+DENSE_CPU = "FORKRL_VLLM_DENSE_CPU"
+
+
+def _dense_cpu(runner: Any) -> bool:
+    return forkrl_drafter(runner) or os.environ.get(DENSE_CPU) == "1"
 
 
 def register() -> None:
@@ -52,7 +61,7 @@ def register() -> None:
 def _wrap_load_model(runner_class: type, cpu: bool) -> None:
     """Install the mirror after ``runner_class.load_model`` (the CPU runner overrides the GPU one's).
 
-    On vLLM's CPU worker an engine with forkrl's drafter keeps its linear weights dense: the CPU
+    On vLLM's CPU worker an engine with forkrl's drafter (or any, under :data:`DENSE_CPU`) keeps its linear weights dense: the CPU
     worker otherwise repacks each one for its GEMM kernels and drops the dense weight, which leaves
     nothing for the mirror to re-quantize, and no ``weight_loader``, so a host's later
     ``load_weights`` fails (vLLM 0.29-0.31) or, for the LM head, whose dense weight is kept beside
@@ -64,7 +73,7 @@ def _wrap_load_model(runner_class: type, cpu: bool) -> None:
 
     @functools.wraps(original)
     def load_model(self: Any, *args: Any, **kwargs: Any) -> None:
-        if not (cpu and forkrl_drafter(self)):
+        if not (cpu and _dense_cpu(self)):
             original(self, *args, **kwargs)
         else:
             _exact_cpu_expand()
@@ -88,7 +97,7 @@ def _wrap_cpu_reload(runner_class: type) -> None:
 
     @functools.wraps(original)
     def reload_weights(self: Any, *args: Any, **kwargs: Any) -> None:
-        if not forkrl_drafter(self):
+        if not _dense_cpu(self):
             return original(self, *args, **kwargs)
         with _dense_cpu_linears():
             return original(self, *args, **kwargs)

@@ -35,17 +35,47 @@ def _argv(*extra: str) -> list[str]:
         (["--ds.ring_attn_size", "2"], "--ds.packing_samples (which --ds.ring_attn_size > 1"),
         (["--vllm.num_engines", "0"], "pass --vllm.num_engines 1"),
         (["--ds.lora.rank", "4"], "--ds.lora.rank > 0"),
-        (["--forkrl.speculative_rollout"], "--forkrl.speculative_rollout drafts inside vLLM's engines"),
+        (["--train.colocate_all", "--vllm.enable_sleep"], "--vllm.enable_sleep"),
     ],
 )
-def test_what_a_cpu_cannot_run_is_refused_before_ray(no_ray, extra, needle):
+@pytest.mark.parametrize("rollout", ["vllm", "hf"])
+def test_what_a_cpu_cannot_run_is_refused_before_ray(no_ray, extra, needle, rollout):
     with pytest.raises(SystemExit) as info:
-        cpu_run.run(_argv(*extra))
+        cpu_run.run(_argv(*extra), rollout=rollout)
     message = str(info.value.code)
     assert (
         message.startswith("python -m forkrl.plugins.openrlhf.cpu_run: error: on a CPU, ")
         and needle in message
     )
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--forkrl.speculative_rollout"], "--forkrl.speculative_rollout drafts inside vLLM's engines"),
+        (["--algo.advantage.is_correction_level", "token"], "--algo.advantage.is_correction_level"),
+    ],
+)
+def test_what_only_vllm_engines_serve_is_refused_with_the_hf_rollout(extra, needle):
+    args = h.parse_args(_argv("--reward.remote_url", "r.py", *extra))
+    with pytest.raises(ValueError, match=needle) as info:
+        cpu_run.check_cpu_args(args, "hf")
+    assert "scripts/setup.sh test installs it" in str(info.value)
+    cpu_run.check_cpu_args(args, "vllm")  # OpenRLHF's engines on vLLM's CPU build serve it
+
+
+def test_a_head_size_vllms_cpu_attention_lacks_is_refused_before_ray(no_ray, tmp_path):
+    from forkrl.core.testing.models import byte_llama, byte_tokenizer, save_pretrained
+
+    model = save_pretrained(byte_llama(0), byte_tokenizer(), tmp_path / "model")  # head dimension 8
+    argv = [*h.command(str(model), "--ds.attn_implementation", "sdpa")]
+    with pytest.raises(SystemExit, match="head dimension 8 .* pass --rollout hf"):
+        cpu_run.run(argv, rollout="vllm")
+
+
+def test_an_unknown_rollout_is_refused(no_ray):
+    with pytest.raises(SystemExit, match="--rollout sglang: choose one of vllm, hf"):
+        cpu_run.main(["--rollout", "sglang", *_argv()])
 
 
 def test_openrlhfs_default_attention_is_refused_by_name(no_ray):
@@ -79,4 +109,6 @@ def test_stock_takes_no_forkrl_flags(no_ray):
 )
 def test_ray_gets_a_logical_gpu_for_each_that_the_actor_groups_ask_for(extra, gpus):
     args = h.parse_args(_argv("--reward.remote_url", "r.py", *extra))
-    assert cpu_run.ray_resources(args) == {"num_cpus": gpus + 2, "num_gpus": gpus}
+    assert cpu_run.ray_resources(args, "hf") == {"num_cpus": gpus + 2, "num_gpus": gpus}
+    engine = 0 if "--train.colocate_all" in extra else 1  # OpenRLHF's engines hold one each
+    assert cpu_run.ray_resources(args, "vllm") == {"num_cpus": gpus + engine + 2, "num_gpus": gpus + engine}

@@ -5,14 +5,19 @@ with Ray actors, DeepSpeed ZeRO-2 and the reference model (KL loss), on a tiny m
     python -m forkrl.plugins.openrlhf.cpu_run --stock <the same flags>     (OpenRLHF's own launcher)
 
 Each runs in its own process (its own Ray) through forkrl's CPU run, as docs/cpu.md tells users: forkrl's
-launcher (or OpenRLHF's with ``--stock``) unchanged, with the CPU stand-ins for OpenRLHF's GPU-only parts
-(an HF-generate rollout for vLLM, fake GPUs for Ray, device patches in every worker). Each run must exit 0 and save (``--ckpt.output_dir``) a model whose parameters moved; the tree run must
-log ``tree/*`` in OpenRLHF's own TensorBoard log (``--logger.tensorboard_dir``) every step, the stock
-run none. The reward is the fraction of digits in the response, through OpenRLHF's custom reward file
-(``--reward.remote_url``), dense enough that every group has nonzero advantages.
+launcher (or OpenRLHF's with ``--stock``) unchanged, with OpenRLHF's own vLLM engines on vLLM's CPU
+build (the weights synced through Ray), fake GPUs for Ray and device patches in every worker. Each run
+must exit 0 and save (``--ckpt.output_dir``) a model whose parameters moved; forkrl's runs must log
+``tree/*`` in OpenRLHF's own TensorBoard log (``--logger.tensorboard_dir``) every step, the stock run
+none; the speculative run (``--forkrl.speculative_rollout``: forkrl's int4 drafter inside the engine)
+logs ``spec/*`` every step. The reward is the fraction of digits in the response, through OpenRLHF's
+custom reward file (``--reward.remote_url``), dense enough that every group has nonzero advantages.
 
-The tree run also saves OpenRLHF's own training checkpoint every step (``--ckpt.save_steps``), and a
-third run resumes from its step-1 checkpoint (``--ckpt.load_enable``) and must end where it ended.
+The checkpointed tree run saves OpenRLHF's own training checkpoint every step (``--ckpt.save_steps``),
+and another run resumes from its step-1 checkpoint (``--ckpt.load_enable``) and must end where it
+ended. These two sample with the CPU run's Hugging Face rollout (``--rollout hf``): its samples are a
+function of the weights and the prompts alone, where vLLM's depend on how its scheduler batched the
+requests, so only it lets a resumed run see the uninterrupted run's rollouts.
 """
 
 from __future__ import annotations
@@ -79,14 +84,16 @@ def _launch(
     *extra: str,
     timeout: float = 480,
     extra_env: dict | None = None,
+    rollout: str = "vllm",
     **run,
 ) -> dict:
     """Run ``module``'s launcher (forkrl's ``forkrl.plugins.openrlhf.train_ppo_ray`` or OpenRLHF's
-    ``openrlhf.cli.train_ppo_ray``) through ``python -m forkrl.plugins.openrlhf.cpu_run``; returns its
-    log and wall time. ``run``: :func:`_command`'s sizes; ``extra_env``: more environment variables
-    (the e2e rollout log variable, ``tests.e2e.cpu_host.ROLLOUT_LOG``, is the CPU rollout's)."""
+    ``openrlhf.cli.train_ppo_ray``) through ``python -m forkrl.plugins.openrlhf.cpu_run --rollout
+    ROLLOUT``; returns its log and wall time. ``run``: :func:`_command`'s sizes; ``extra_env``: more
+    environment variables (the e2e rollout log variable, ``tests.e2e.cpu_host.ROLLOUT_LOG``, is the
+    Hugging Face rollout's)."""
     stock = {"openrlhf.cli.train_ppo_ray": ["--stock"], "forkrl.plugins.openrlhf.train_ppo_ray": []}[module]
-    cmd = [sys.executable, "-m", "forkrl.plugins.openrlhf.cpu_run", *stock]
+    cmd = [sys.executable, "-m", "forkrl.plugins.openrlhf.cpu_run", *stock, "--rollout", rollout]
     cmd += [*_command(data["model"], data["prompts"], out, **run), *extra]
     extra_env = dict(extra_env or {})
     if ROLLOUT_LOG in extra_env:
@@ -106,6 +113,7 @@ def _launch(
     )
     returncode, log, seconds = run_launcher(cmd, env=env, cwd=ROOT, timeout=timeout)
     assert returncode == 0, log[-6000:]
+    assert f"cpu_run: rollout {rollout}" in log
     print(f"{module}: {seconds:.1f} s")
     return {"log": log, "seconds": seconds, "out": out}
 
@@ -143,19 +151,33 @@ def _assert_trained(data: dict, run: dict) -> None:
     assert max((final[n] - init[n]).abs().max().item() for n in init) > 1e-3
 
 
+#: The tiny Llama's shape: attention heads of 32 (vLLM's CPU attention has no smaller kernel).
+VLLM_SHAPE = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1)
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> dict:
-    """The tiny model and byte tokenizer saved to disk, and a prompt file for exactly ``STEPS`` steps."""
+    """The tiny model and byte tokenizer saved to disk, and a prompt file for exactly ``STEPS`` steps;
+    ``peaked``: the same model with a sharper head (the drafter's tokens then get accepted at
+    temperature 1, where vLLM's greedy drafts of a near-uniform policy almost never are)."""
     root = tmp_path_factory.mktemp("openrlhf-e2e")
-    model = save_pretrained(byte_llama(0), byte_tokenizer(), root / "model")
+    model = save_pretrained(byte_llama(0, **VLLM_SHAPE), byte_tokenizer(), root / "model")
+    peaked = byte_llama(0, **VLLM_SHAPE)
+    with torch.no_grad():
+        peaked.lm_head.weight.mul_(6)
     prompts = root / "prompts.jsonl"
     rows = [{"input": f"{7 * i}+{i + 3}="} for i in range(STEPS * PROMPTS_PER_STEP)]
     prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return {"model": model, "prompts": prompts, "hf_home": root / "hf"}
+    return {
+        "model": model,
+        "peaked": save_pretrained(peaked, byte_tokenizer(), root / "peaked"),
+        "prompts": prompts,
+        "hf_home": root / "hf",
+    }
 
 
 def _rollouts(log: str) -> list[tuple[str, int]]:
-    """The CPU rollout's requests in the order it served them: (prompt, weight load it sampled from)."""
+    """The Hugging Face rollout's requests in the order it served them: (prompt, weight load it sampled from)."""
     return [
         (m[1], int(m[2])) for m in re.finditer(r"cpu rollout: \d+ samples of '(.*?)' from load #(\d+)", log)
     ]
@@ -167,7 +189,9 @@ def tree_run(data, tmp_path_factory) -> dict:
     model) after each step, for the resume test."""
     out = tmp_path_factory.mktemp("tree")
     ckpt = ["--ckpt.save_steps", "1", "--ckpt.path", str(out / "ckpt"), "--ckpt.save_hf"]
-    return _launch("forkrl.plugins.openrlhf.train_ppo_ray", data, out, "--forkrl.tree_packing", *ckpt)
+    return _launch(
+        "forkrl.plugins.openrlhf.train_ppo_ray", data, out, "--forkrl.tree_packing", *ckpt, rollout="hf"
+    )
 
 
 def test_the_tree_run_trains_and_logs_in_openrlhfs_own_log(data, tree_run):
@@ -184,15 +208,39 @@ def test_the_tree_run_trains_and_logs_in_openrlhfs_own_log(data, tree_run):
     assert "Global step 2" in tree_run["log"]
 
 
-def test_stock_openrlhf_runs_through_the_same_harness(data, tmp_path_factory):
+def _vllm_loads(log: str) -> list[int]:
+    """The vLLM rollout's weight syncs: the parameters each one loaded into the engine."""
+    return [int(m[2]) for m in re.finditer(r"cpu vllm rollout: load #(\d+): (\d+) parameters", log)]
+
+
+def test_stock_openrlhf_runs_through_the_same_harness_on_vllm(data, tmp_path_factory):
     out = tmp_path_factory.mktemp("stock")
     run = _launch("openrlhf.cli.train_ppo_ray", data, out)
     _assert_trained(data, run)
     scalars = _scalars(out / "tb")
     assert sorted(scalars["train/policy_loss"]) == list(range(1, STEPS + 1))
     assert scalars["train/kl"][STEPS] > 0.0
-    assert not [tag for tag in scalars if "tree/" in tag]
+    assert not [tag for tag in scalars if "tree/" in tag or "spec/" in tag]
     assert "'tree/" not in run["log"]  # nor in the console's step summaries
+    assert _vllm_loads(run["log"]) == [15] * STEPS  # every parameter of the engine, after every step
+
+
+def test_the_tree_and_speculative_run_trains_on_vllm_and_logs_spec_metrics(data, tmp_path_factory):
+    """forkrl's tree and its self-speculative rollout through OpenRLHF's vLLM engine: the drafter is
+    forkrl's int4 quantization of the policy, re-quantized after every weight sync."""
+    out = tmp_path_factory.mktemp("speculative")
+    flags = ["--forkrl.tree_packing", "--forkrl.speculative_rollout", "--forkrl.speculative_draft_len", "3"]
+    flags += ["--forkrl.speculative_group_size", "32"]
+    run = _launch("forkrl.plugins.openrlhf.train_ppo_ray", {**data, "model": data["peaked"]}, out, *flags)
+    _assert_trained({**data, "model": data["peaked"]}, run)
+    scalars = _scalars(out / "tb")
+    assert sorted(scalars["train/tree/compression"]) == list(range(1, STEPS + 1))
+    spec = {tag: steps for tag, steps in scalars.items() if tag.startswith("train/spec/")}
+    assert {"train/spec/acceptance", "train/spec/draft_len", "train/spec/mean_accepted_length"} <= spec.keys()
+    assert all(sorted(steps) == list(range(1, STEPS + 1)) for steps in spec.values())
+    assert set(spec["train/spec/draft_len"].values()) == {3.0}
+    assert all(0.0 < v < 1.0 for v in spec["train/spec/acceptance"].values())
+    assert _vllm_loads(run["log"]) == [15] * STEPS
 
 
 def test_resuming_from_a_checkpoint_equals_the_uninterrupted_run(data, tree_run, tmp_path_factory):
@@ -226,6 +274,7 @@ def test_resuming_from_a_checkpoint_equals_the_uninterrupted_run(data, tree_run,
         "--ckpt.path",
         str(out / "ckpt"),
         "--ckpt.load_enable",
+        rollout="hf",
     )
 
     # only step 2 ran, on the prompts the uninterrupted run's step 2 had, from the step-1 weights

@@ -72,8 +72,14 @@ def test_engine_arguments_get_the_drafter():
             calls.append((self.ray_options, kwargs))
             return "engine"
 
+    from openrlhf.trainer.ray import vllm_engine
+
     options, _ = parse_flags(list(SPEC))
-    actor = SpeculativeRolloutActor(Handle(), options)
+    actor = SpeculativeRolloutActor(vllm_engine.RolloutRayActor, options)
+    engine_class = actor.actor_class.__ray_actor_class__  # OpenRLHF's, with spec_counters added
+    assert issubclass(engine_class, vllm_engine.RolloutRayActor.__ray_actor_class__)
+    assert callable(engine_class.spec_counters)
+    actor.actor_class = Handle()  # what Ray would start, recorded instead
     engine_kwargs = {"model": "org/policy", "tensor_parallel_size": 2, "seed": 3, "dtype": "bfloat16"}
     assert actor.options(num_cpus=1, num_gpus=1).remote(**engine_kwargs, bundle_indices=None) == "engine"
     ray_options, kwargs = calls[0]
@@ -88,13 +94,22 @@ def test_engine_arguments_get_the_drafter():
         actor.remote(**kwargs)
 
 
-def test_launcher_swaps_the_engine_class_only_while_it_runs(monkeypatch):
+def test_launcher_swaps_the_engine_and_trainer_classes_only_while_it_runs(monkeypatch):
+    from openrlhf.trainer import ppo_trainer
     from openrlhf.trainer.ray import vllm_engine
 
-    original, seen = vllm_engine.RolloutRayActor, []
-    monkeypatch.setattr(train_ppo_ray, "run_host", lambda argv: seen.append(vllm_engine.RolloutRayActor))
+    original, trainer, seen = vllm_engine.RolloutRayActor, ppo_trainer.PPOTrainer, []
+
+    def run_host(argv):
+        seen.append((vllm_engine.RolloutRayActor, ppo_trainer.PPOTrainer))
+
+    monkeypatch.setattr(train_ppo_ray, "run_host", run_host)
     train_ppo_ray.main(h.command("some/model", *SPEC))
-    assert isinstance(seen[0], SpeculativeRolloutActor) and seen[0].actor_class is original
-    assert vllm_engine.RolloutRayActor is original
+    engine, spec_trainer = seen[0]
+    assert isinstance(engine, SpeculativeRolloutActor)
+    assert issubclass(engine.actor_class.__ray_actor_class__, original.__ray_actor_class__)
+    assert issubclass(spec_trainer.__ray_actor_class__, trainer.__ray_actor_class__)
+    assert "_compute_rollout_stats" in vars(spec_trainer.__ray_actor_class__)  # logs spec/*
+    assert vllm_engine.RolloutRayActor is original and ppo_trainer.PPOTrainer is trainer
     train_ppo_ray.main(h.command("some/model"))
-    assert seen[1] is original  # without the flag nothing is swapped
+    assert seen[1] == (original, trainer)  # without the flag nothing is swapped
