@@ -278,7 +278,21 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--window", type=int, default=48)
     ap.add_argument("--batch", type=int, default=64, help="prompts in the longtail and short workloads")
     ap.add_argument("--workloads", default="longtail,short,few-long,one-long")
-    ap.add_argument("--methods", default="hf,plain,auto,always")
+    ap.add_argument(
+        "--methods",
+        default=None,
+        help="default hf,plain,auto,always; with --engine vllm plain,auto,always,ngram",
+    )
+    ap.add_argument(
+        "--engine",
+        choices=["hf", "vllm"],
+        default="hf",
+        help="vllm: the policy served by vLLM engines (benchmarks.speculative_rollout_vllm), in an environment "
+        "with vLLM",
+    )
+    ap.add_argument(
+        "--vllm-dir", default="/tmp/forkrl-speculative-rollout", help="where vLLM reads the policy"
+    )
     ap.add_argument("--max-new-tokens", type=int, default=320)
     ap.add_argument("--short-max-new-tokens", type=int, default=48, help="budget of the short workload")
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -398,13 +412,20 @@ def calibrated_policy(model, drafter, clock: str, args) -> tuple[SpeculationPoli
     return policy, alpha0, calib
 
 
-def run_workload(wl, model, drafter, policy, alpha0, methods, args) -> tuple[dict[str, list[dict]], int, int]:
-    """Every method's --repeats runs on workload ``wl``, interleaved: (runs per method, batch, budget)."""
+def workload_prompts(wl: str, args) -> tuple[list[list[int]], int]:
+    """Workload ``wl``'s prompts and token budget."""
     bsz = {"few-long": 4, "one-long": 1}.get(wl, args.batch)
     max_new = args.short_max_new_tokens if wl == "short" else args.max_new_tokens
     v0s = workload("long" if wl.endswith("-long") else wl, bsz, args.seed + 1)
     g = torch.Generator().manual_seed(args.seed + 2)
-    ids, mask = left_pad([prompt(v, g) for v in v0s], args.device)
+    return [prompt(v, g) for v in v0s], max_new
+
+
+def run_workload(wl, model, drafter, policy, alpha0, methods, args) -> tuple[dict[str, list[dict]], int, int]:
+    """Every method's --repeats runs on workload ``wl``, interleaved: (runs per method, batch, budget)."""
+    prompts, max_new = workload_prompts(wl, args)
+    bsz = len(prompts)
+    ids, mask = left_pad(prompts, args.device)
     runs: dict[str, list[dict]] = {m: [] for m in methods}
     for r in range(args.repeats):
         for m in methods if r % 2 == 0 else methods[::-1]:
@@ -449,10 +470,17 @@ def print_results(results: list[dict], clock: str) -> None:
     print_table(
         results,
         [("workload", "{}"), ("batch", "{}"), ("method", "{}"), ("wall_s", "{:.2f}"), ("cpu_s", "{:.2f}"),
-         ("time_vs_plain", "{:.3f}"), ("per_token_vs_plain", "{:.3f}"), ("tokens", "{:.0f}"),
+         ("time_vs_plain", "{:.3f}"), ("time_vs_plain_dense", "{:.3f}"), ("per_token_vs_plain", "{:.3f}"), ("tokens", "{:.0f}"),
          ("len_p50", "{:.0f}"), ("len_p90", "{:.0f}"), ("len_max", "{:.0f}"), ("acceptance", "{:.3f}"),
-         ("spec_frac", "{:.2f}"), ("mean_k", "{:.2f}"), ("tok_per_step", "{:.2f}"), ("first_spec_batch", "{:.0f}")],
+         ("spec_frac", "{:.2f}"), ("mean_k", "{:.2f}"), ("tok_per_step", "{:.2f}"), ("first_spec_batch", "{:.0f}"),
+         ("tok_per_s", "{:.0f}"), ("draft_len", "{:.2f}"), ("mean_accepted_length", "{:.2f}")],
     )  # fmt: skip
+    schedules = {r["method"]: r["schedule"] for r in results if r.get("schedule") is not None}
+    for (
+        method,
+        schedule,
+    ) in schedules.items():  # vLLM engines: the draft length per batch size they started with
+        print(f"\n{method}: draft length per batch size (first, last, k): {schedule}")
 
 
 def main() -> None:
@@ -470,12 +498,21 @@ def main() -> None:
     policy.alpha = alpha0
     print(f"# policy.decide: {1e6 * t_decide / 10000:.1f} us per decode step")
 
-    methods = args.methods.split(",")
-    key = "cpu_s" if clock == "cpu" else "wall_s"
-    results = []
-    for wl in args.workloads.split(","):
-        runs, bsz, max_new = run_workload(wl, model, drafter, policy, alpha0, methods, args)
-        results.extend(workload_rows(wl, runs, bsz, max_new, methods, key))
+    if args.engine == "vllm":
+        from benchmarks import speculative_rollout_vllm
+
+        args.methods = args.methods or ",".join(speculative_rollout_vllm.METHODS)
+        policy.alpha = alpha0
+        workloads = {wl: workload_prompts(wl, args) for wl in args.workloads.split(",")}
+        results = speculative_rollout_vllm.run(model, policy, workloads, args)
+        clock = "wall"
+    else:
+        methods = (args.methods or "hf,plain,auto,always").split(",")
+        key = "cpu_s" if clock == "cpu" else "wall_s"
+        results = []
+        for wl in args.workloads.split(","):
+            runs, bsz, max_new = run_workload(wl, model, drafter, policy, alpha0, methods, args)
+            results.extend(workload_rows(wl, runs, bsz, max_new, methods, key))
 
     print_results(results, clock)
     summary = {

@@ -86,7 +86,7 @@ def test_engine_arguments_get_the_drafter():
     assert ray_options == {"num_cpus": 1, "num_gpus": 1}
     assert kwargs["speculative_config"] == {
         "method": "draft_model", "model": "org/policy", "num_speculative_tokens": 5,
-        "quantization": "forkrl_int4_g128", "draft_tensor_parallel_size": 2,
+        "quantization": "forkrl_int4_g128", "draft_tensor_parallel_size": 2, "draft_sample_method": "probabilistic",
     }  # fmt: skip
     kwargs.pop("bundle_indices")
     assert vllm.AsyncEngineArgs(**kwargs).speculative_config == kwargs["speculative_config"]

@@ -113,7 +113,9 @@ def sample(llm, n: int = SAMPLES, top_p: float = 1.0) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in out]
 
 
-def drafter_matches(runner, state: dict[str, torch.Tensor], bits: int = 4) -> dict[str, bool]:
+def drafter_matches(
+    runner, state: dict[str, torch.Tensor], bits: int = 4, dtype: torch.dtype = torch.bfloat16
+) -> dict[str, bool]:
     """Per quantized drafter layer, whether it holds exactly forkrl's quantization of ``state``'s
     weights (fused the way vLLM fuses them); per dense drafter tensor, whether it equals the target's."""
     from forkrl.core.quant import QuantLinear
@@ -126,13 +128,13 @@ def drafter_matches(runner, state: dict[str, torch.Tensor], bits: int = 4) -> di
             continue
         parent, leaf = name.rsplit(".", 1)
         parts = fused.get(leaf, (leaf,))
-        dense = torch.cat([state[f"{parent}.{p}.weight"] for p in parts]).to(torch.bfloat16)
+        dense = torch.cat([state[f"{parent}.{p}.weight"] for p in parts]).to(dtype)
         q = QuantLinear(
             dense.shape[1],
             dense.shape[0],
             bits=bits,
             group_size=32,
-            compute_dtype=torch.bfloat16,
+            compute_dtype=torch.bfloat16,  # as forkrl's vLLM quantization method builds it
             out_dtype=dense.dtype,
         )
         q.load_(dense)

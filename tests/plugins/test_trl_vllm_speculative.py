@@ -55,7 +55,7 @@ def test_colocated_llm_gets_forkrl_speculative_config(tmp_path, monkeypatch):
     assert kw["seed"] == 0 and kw["disable_log_stats"] is False
     assert kw["speculative_config"] == {
         "method": "draft_model", "model": "org/policy", "num_speculative_tokens": 3,
-        "quantization": "forkrl_int4_g64", "draft_tensor_parallel_size": 2,
+        "quantization": "forkrl_int4_g64", "draft_tensor_parallel_size": 2, "draft_sample_method": "probabilistic",
     }  # fmt: skip
 
 
@@ -96,7 +96,7 @@ def test_trainer_builds_trls_engine_with_the_drafter(tmp_path, colocated_engines
     (kw,) = colocated_engines
     assert kw["speculative_config"] == {
         "method": "draft_model", "model": kw["model"], "num_speculative_tokens": 4, "quantization": "forkrl_int4_g32",
-        "draft_tensor_parallel_size": 1,
+        "draft_tensor_parallel_size": 1, "draft_sample_method": "probabilistic",
     }  # fmt: skip
     assert kw["disable_log_stats"] is False and kw["distributed_executor_backend"] == "external_launcher"
     assert trainer._spec_rollout is None  # vLLM generates; forkrl's transformers sampler is not built
@@ -153,7 +153,7 @@ def test_server_command_carries_the_drafter(tmp_path):
     spec = json.loads(script_args.speculative_config)
     assert spec == {
         "method": "draft_model", "model": "org/policy", "num_speculative_tokens": 6, "quantization": "forkrl_int8",
-        "draft_tensor_parallel_size": 2,
+        "draft_tensor_parallel_size": 2, "draft_sample_method": "probabilistic",
     }  # fmt: skip
     command = build_command(script_args, extra)
     assert command[command.index("--speculative-config") + 1] == script_args.speculative_config
