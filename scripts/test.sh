@@ -3,6 +3,7 @@
 #   .venv        core, TRL plugin, packaging, examples, benchmarks   (.venv/bin/python -m pytest)
 #   .venv-verl       the veRL plugin against real veRL               (tests/verl)
 #   .venv-openrlhf   the OpenRLHF plugin against real OpenRLHF       (tests/openrlhf)
+#   .venv-trl-vllm   TRL's colocated vLLM engine, stock and forkrl   (tests/trl_vllm)
 # Arguments go to the first run (e.g. -x, -k name). Fails when any environment's tests fail or collect nothing.
 #
 # The first runs alone: its tests marked `timing` compare measured speeds, which a busy machine skews
@@ -44,4 +45,6 @@ cat "$logs/verl"
 wait "$openrlhf" || status=1
 cat "$logs/openrlhf"
 rm -rf "$logs"
+
+run "TRL + vLLM" .venv-trl-vllm/bin/python tests/trl_vllm || status=1
 exit "$status"

@@ -1,7 +1,15 @@
 """Each host's tests run in that host's own environment (their pins conflict): tests/verl needs veRL
-(.venv-verl), tests/openrlhf needs OpenRLHF (.venv-openrlhf); each is collected only where its host
-imports. scripts/test.sh runs every environment."""
+(.venv-verl), tests/openrlhf needs OpenRLHF (.venv-openrlhf), tests/trl_vllm needs TRL beside vLLM
+(.venv-trl-vllm); each is collected only where what it needs imports. scripts/test.sh runs every
+environment."""
 
 import importlib.util
 
-collect_ignore = [host for host in ("verl", "openrlhf") if importlib.util.find_spec(host) is None]
+
+def _missing(*modules: str) -> bool:
+    return any(importlib.util.find_spec(m) is None for m in modules)
+
+
+collect_ignore = [host for host in ("verl", "openrlhf") if _missing(host)]
+if _missing("trl", "vllm"):
+    collect_ignore.append("trl_vllm")

@@ -27,7 +27,9 @@ def test_the_benchmark_serves_every_method_through_vllm(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     rows = {(r["workload"], r["method"]): r for r in summary["results"]}
-    assert set(rows) == {(w, m) for w in ("short", "one-long") for m in ("plain", "plain_dense", "auto", "always", "ngram")}
+    assert set(rows) == {
+        (w, m) for w in ("short", "one-long") for m in ("plain", "plain_dense", "auto", "always", "ngram")
+    }
     for (_, method), row in rows.items():
         assert row["tokens"] > 0 and row["wall_s"] > 0 and row["time_vs_plain"] > 0
         if method == "always":  # forkrl's drafter drafted, vLLM counted it
