@@ -7,8 +7,8 @@
 # Arguments go to the first run (e.g. -x, -k name). Fails when any environment's tests fail or collect nothing.
 #
 # The first runs alone: its tests marked `timing` compare measured speeds, which a busy machine skews
-# (on a shared machine, `-m "not timing"` leaves them out). The veRL and OpenRLHF suites then run side
-# by side (each to its own log, printed when both are done): their end-to-end runs spend much of their
+# (on a shared machine, `-m "not timing"` leaves them out). The veRL, OpenRLHF and TRL + vLLM suites then
+# run side by side (each to its own log, printed when all are done): their end-to-end runs spend much of their
 # time starting processes and importing, and none of their tests times anything. All three side by
 # side was slower: the work is CPU-bound (CI: 30:51 against 28:29 this way). Each prints its slowest
 # tests (--durations), what to look at first when the run grows.
@@ -40,11 +40,14 @@ verl=$!
 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv-openrlhf/torch_extensions}" \
     run "OpenRLHF" .venv-openrlhf/bin/python tests/openrlhf >"$logs/openrlhf" 2>&1 &
 openrlhf=$!
+# A few minutes, mostly starting engines: beside the two above rather than after them.
+run "TRL + vLLM" .venv-trl-vllm/bin/python tests/trl_vllm >"$logs/trl_vllm" 2>&1 &
+trl_vllm=$!
 wait "$verl" || status=1
 cat "$logs/verl"
 wait "$openrlhf" || status=1
 cat "$logs/openrlhf"
+wait "$trl_vllm" || status=1
+cat "$logs/trl_vllm"
 rm -rf "$logs"
-
-run "TRL + vLLM" .venv-trl-vllm/bin/python tests/trl_vllm || status=1
 exit "$status"
