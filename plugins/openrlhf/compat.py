@@ -30,6 +30,7 @@ __all__ = [
     "ring_attention_off",
     "ring_group",
     "swapped",
+    "with_methods",
 ]
 
 CHECKED = "openrlhf 0.11.2 (deepspeed 0.19.6, transformers 5.15.0, ray 2.55.0)"
@@ -118,6 +119,15 @@ def swapped(module: ModuleType | str, **names: Any) -> Iterator[None]:
     finally:
         for name, value in saved.items():
             setattr(module, name, value)
+
+
+def with_methods(actor_class: Any, module: str, **methods: Any) -> Any:
+    """An OpenRLHF Ray actor class (``@ray.remote``, which Ray forbids subclassing) with ``methods``
+    added or overridden: a Ray actor class of a subclass of the class it wraps, named as it."""
+    import ray
+
+    base = actor_class.__ray_actor_class__
+    return ray.remote(type(base.__name__, (base,), {**methods, "__module__": module}))
 
 
 def engine_of(actor: torch.nn.Module) -> Any:

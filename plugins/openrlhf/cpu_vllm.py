@@ -24,6 +24,8 @@ from __future__ import annotations
 import io
 from typing import Any
 
+from . import compat
+
 __all__ = ["available", "create_engines", "rollout_actor"]
 
 
@@ -54,24 +56,24 @@ def _load_state(worker: Any, blob: bytes) -> int:
     return len(loaded)
 
 
+async def _load_weights(self: Any, state: dict) -> None:
+    """``RolloutRayActor.load_weights``: the policy's parameters (name -> tensor), loaded into every
+    worker of the engine."""
+    import torch
+
+    blob = io.BytesIO()
+    torch.save(state, blob)
+    loaded = await self.llm.collective_rpc(_load_state, args=(blob.getvalue(),))
+    await self.llm.reset_prefix_cache()  # cached prompts' keys came from the old weights
+    self.loads = getattr(self, "loads", 0) + 1
+    print(f"cpu vllm rollout: load #{self.loads}: {loaded[0]} parameters", flush=True)
+
+
 def rollout_actor() -> Any:
     """OpenRLHF's ``RolloutRayActor`` with a ``load_weights(state)`` for the sync through Ray."""
-    import ray
     from openrlhf.trainer.ray import vllm_engine
 
-    class CPURolloutActor(vllm_engine.RolloutRayActor.__ray_actor_class__):  # type: ignore[name-defined]
-        async def load_weights(self, state: dict) -> None:
-            """The policy's parameters (name -> tensor), loaded into every worker of the engine."""
-            import torch
-
-            blob = io.BytesIO()
-            torch.save(state, blob)
-            loaded = await self.llm.collective_rpc(_load_state, args=(blob.getvalue(),))
-            await self.llm.reset_prefix_cache()  # cached prompts' keys came from the old weights
-            self.loads = getattr(self, "loads", 0) + 1
-            print(f"cpu vllm rollout: load #{self.loads}: {loaded[0]} parameters", flush=True)
-
-    return ray.remote(CPURolloutActor)
+    return compat.with_methods(vllm_engine.RolloutRayActor, __name__, load_weights=_load_weights)
 
 
 def create_engines(

