@@ -239,7 +239,7 @@ def test_the_tree_and_speculative_run_trains_on_vllm_and_logs_spec_metrics(data,
     assert {"train/spec/acceptance", "train/spec/draft_len", "train/spec/mean_accepted_length"} <= spec.keys()
     assert all(sorted(steps) == list(range(1, STEPS + 1)) for steps in spec.values())
     assert set(spec["train/spec/draft_len"].values()) == {3.0}
-    assert all(0.0 < v < 1.0 for v in spec["train/spec/acceptance"].values())
+    assert all(0.0 < v <= 1.0 for v in spec["train/spec/acceptance"].values())  # sampled drafts may all pass
     assert _vllm_loads(run["log"]) == [15] * STEPS
 
 
