@@ -61,8 +61,8 @@ def register() -> None:
 def _wrap_load_model(runner_class: type, cpu: bool) -> None:
     """Install the mirror after ``runner_class.load_model`` (the CPU runner overrides the GPU one's).
 
-    On vLLM's CPU worker an engine with forkrl's drafter (or any, under :data:`DENSE_CPU`) keeps its linear weights dense: the CPU
-    worker otherwise repacks each one for its GEMM kernels and drops the dense weight, which leaves
+    On vLLM's CPU worker an engine with forkrl's drafter (or any, under :data:`DENSE_CPU`) keeps its
+    linear weights dense: the CPU worker otherwise repacks each one for its GEMM kernels and drops the dense weight, which leaves
     nothing for the mirror to re-quantize, and no ``weight_loader``, so a host's later
     ``load_weights`` fails (vLLM 0.29-0.31) or, for the LM head, whose dense weight is kept beside
     its packed copy, is silently not used. Dense layers run ``F.linear`` on their current weight.
@@ -86,7 +86,7 @@ def _wrap_load_model(runner_class: type, cpu: bool) -> None:
 
 
 def _wrap_cpu_reload(runner_class: type) -> None:
-    """Keep linear weights dense through vLLM's own ``reload_weights`` too (forkrl drafter engines only).
+    """Keep linear weights dense through vLLM's own ``reload_weights`` too (where :func:`_dense_cpu`).
 
     The layerwise reload processes each layer again after loading (the CPU worker's repacking
     would then empty the dense weight its copy-back reads).
