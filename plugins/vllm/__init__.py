@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .mirror import DrafterMirror, forkrl_drafter, install_mirror
@@ -52,10 +52,15 @@ def register() -> None:
     _wrap_load_model(GPUModelRunner, cpu=False)
     try:
         from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+        from vllm.v1.worker.cpu_worker import CPUWorker
     except ImportError:  # a vLLM build without the CPU worker
         return
+
     _wrap_load_model(CPUModelRunner, cpu=True)
-    _wrap_cpu_reload(CPUModelRunner)
+    _wrap_dense(CPUModelRunner, "reload_weights", lambda runner: runner)
+    for name in ("update_weights", "finish_weight_update"):
+        if hasattr(CPUWorker, name):  # vLLM's weight-transfer engines (0.31)
+            _wrap_dense(CPUWorker, name, lambda worker: worker.model_runner)
 
 
 def _wrap_load_model(runner_class: type, cpu: bool) -> None:
@@ -85,25 +90,27 @@ def _wrap_load_model(runner_class: type, cpu: bool) -> None:
     runner_class.load_model = load_model
 
 
-def _wrap_cpu_reload(runner_class: type) -> None:
-    """Keep linear weights dense through vLLM's own ``reload_weights`` too (where :func:`_dense_cpu`).
+def _wrap_dense(owner: type, name: str, runner: Callable[[Any], Any]) -> None:
+    """Keep linear weights dense through ``owner.name`` too (where :func:`_dense_cpu` of its runner).
 
-    The layerwise reload processes each layer again after loading (the CPU worker's repacking
-    would then empty the dense weight its copy-back reads).
+    vLLM's later weight loads (its own ``reload_weights``, and its weight-transfer engines'
+    ``update_weights``/``finish_weight_update``, which TRL's server mode drives) process each layer
+    again after loading: the CPU worker's repacking would then empty the dense weight that the
+    layerwise reload copies back.
     """
-    original = runner_class.reload_weights
+    original = getattr(owner, name)
     if getattr(original, "_forkrl_wrapped", False):
         return
 
     @functools.wraps(original)
-    def reload_weights(self: Any, *args: Any, **kwargs: Any) -> None:
-        if not _dense_cpu(self):
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _dense_cpu(runner(self)):
             return original(self, *args, **kwargs)
         with _dense_cpu_linears():
             return original(self, *args, **kwargs)
 
-    reload_weights._forkrl_wrapped = True  # type: ignore[attr-defined]
-    runner_class.reload_weights = reload_weights
+    wrapped._forkrl_wrapped = True  # type: ignore[attr-defined]
+    setattr(owner, name, wrapped)
 
 
 @contextlib.contextmanager

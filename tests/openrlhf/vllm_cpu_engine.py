@@ -66,7 +66,7 @@ def save_policies(folder: Path) -> tuple[list[str], list[dict[str, torch.Tensor]
     return paths, states
 
 
-def engine(path: str, speculative: bool, bits: int = 4):
+def engine(path: str, speculative: bool, bits: int = 4, **engine_args):
     from vllm import LLM
 
     from forkrl.core.speculative import SpeculativeOptions
@@ -81,7 +81,7 @@ def engine(path: str, speculative: bool, bits: int = 4):
         spec = vllm_speculative_config(options, path)
     return LLM(
         model=path, skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=256,
-        speculative_config=spec, disable_log_stats=False, seed=0,
+        speculative_config=spec, disable_log_stats=False, seed=0, **engine_args,
     )  # fmt: skip
 
 
