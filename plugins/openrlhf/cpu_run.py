@@ -34,6 +34,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from forkrl.plugins.vllm import check_cpu_head_size
+
 from . import compat
 from .options import FLAG_PREFIX, options_from
 from .options import PROG as LAUNCHER
@@ -136,24 +138,7 @@ def check_cpu_args(args: Any, rollout: str = "hf") -> None:
         if refused:
             raise ValueError(f"on a CPU, {why}")
     if rollout == "vllm":
-        _check_vllm_model(str(_get(args, "actor.model_name_or_path", "")))
-
-
-def _check_vllm_model(path: str) -> None:
-    """Refuse a policy whose attention vLLM's CPU backend has no kernel for (read from its config)."""
-    if not os.path.isdir(path):
-        return  # the launcher refuses a missing folder; a hub id cannot be read without a download
-    from transformers import AutoConfig
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-    text = AutoConfig.from_pretrained(path).get_text_config()
-    head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    sizes = CPUAttentionBackend.get_supported_head_sizes()
-    if head not in sizes:
-        raise ValueError(
-            f"on a CPU, the policy's attention head dimension {head} ({path}) has no kernel in vLLM's CPU "
-            f"attention (it takes {', '.join(map(str, sizes))}): use a model with one of them, or pass --rollout hf"
-        )
+        check_cpu_head_size(str(_get(args, "actor.model_name_or_path", "")), fix="pass --rollout hf")
 
 
 def ray_resources(args: Any, rollout: str = "hf") -> dict[str, int]:

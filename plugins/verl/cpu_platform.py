@@ -16,6 +16,7 @@ instance to veRL's ``set_platform``.
 from __future__ import annotations
 
 import contextlib
+import os
 from types import ModuleType, SimpleNamespace
 
 import torch
@@ -172,7 +173,15 @@ class CPUPlatform(PlatformBase):
         return []
 
     def is_ipc_supported(self) -> bool:
-        return False
+        return False  # veRL's weight sync then takes its shared-memory path
+
+    def rollout_env_vars(self) -> dict[str, str]:
+        """What veRL sets in its rollout servers' processes (vLLM's CPU build, where installed):
+        forkrl's vLLM plugin keeps linear weights dense, since vLLM's CPU worker repacks them into a
+        form that takes no ``load_weights`` (veRL's sync), and vLLM's CPU cache gets 1 GiB unless set."""
+        from forkrl.plugins.vllm import DENSE_CPU
+
+        return {DENSE_CPU: "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
 
     def cudart(self) -> None:
         return None

@@ -1,31 +1,42 @@
 """A CPU smoke run of veRL's own ``main_ppo`` with forkrl's YAML (or stock veRL), on your own tiny
 model: for trying the plugin end to end on a machine without a GPU, and for forkrl's CI. Not for
-training: rollouts come from Hugging Face ``generate`` instead of vLLM, and nothing is fast.
+training: nothing is fast.
 
     python -m forkrl.plugins.verl.cpu_run --config-name forkrl_tree --model /tmp/tiny/model \\
         data.train_files=/tmp/tiny/train.parquet data.val_files=/tmp/tiny/val.parquet \\
-        reward.custom_reward_function.path=/tmp/tiny/reward.py [more veRL overrides]
+        reward.custom_reward_function.path=/tmp/tiny/reward.py [--rollout vllm|hf] [more veRL overrides]
 
 It runs ``python -m verl.trainer.main_ppo`` in a child process (its exit status is this command's)
-with forkrl's config folder and ``--config-name`` (``forkrl_tree``, ``forkrl_long_context``;
-``ppo_trainer`` is stock veRL's own config), then :data:`CPU_OVERRIDES`, then :data:`SMOKE_SIZES`
-(a few GRPO steps of a tiny batch), then yours (a key you set replaces ours), and the environment
-of :func:`environment`. ``--model DIR`` is ``actor_rollout_ref.model.path=DIR``.
+with forkrl's config folder and ``--config-name`` (``forkrl_tree``, ``forkrl_long_context``,
+``forkrl_speculative``, ``forkrl_tree_speculative``; ``ppo_trainer`` is stock veRL's own config),
+then :data:`CPU_OVERRIDES`, the rollout's overrides, then :data:`SMOKE_SIZES` (a few GRPO steps of
+a tiny batch), then yours (a key you set replaces ours), and the environment of
+:func:`environment`. ``--model DIR`` is ``actor_rollout_ref.model.path=DIR``.
 
-What is a stand-in on the CPU (:mod:`.cpu_host`, which veRL imports in every process through its
-own ``VERL_USE_EXTERNAL_MODULES``): the device platform (:mod:`.cpu_platform`: gloo, no device
-memory, fake "GPU" resources for Ray's placement), the rollout (``hf_cpu``,
-:mod:`.cpu_rollout`: Hugging Face ``generate`` from the weights veRL syncs after every update, in
-place of vLLM, which does not serve on a CPU), and two device patches (the duplicated gloo
+The rollout (``--rollout``; default ``vllm`` where vLLM's CPU build is installed, as
+``scripts/setup.sh test`` does in veRL's environment):
+
+- ``vllm``: veRL's own vLLM server (``vLLMReplica``, hybrid mode) on vLLM's CPU build
+  (:data:`VLLM_OVERRIDES`: eager, bf16, no sleep mode, which vLLM has only on GPUs), its weights
+  synced by veRL's own bucketed transfer (its shared-memory path, as where CUDA IPC is missing).
+  forkrl's vLLM plugin keeps the engine's linear weights dense (``FORKRL_VLLM_DENSE_CPU``): vLLM's
+  CPU worker repacks them into a form that takes no ``load_weights``. The policy's attention head
+  dimension must be one vLLM's CPU attention has (32, 64, 80, 96, ...).
+- ``hf``: ``hf_cpu`` (:mod:`.cpu_rollout`), Hugging Face ``generate`` from the weights veRL syncs
+  after every update, for machines without vLLM's CPU build; the speculative configs need vLLM.
+
+What else is a stand-in on the CPU (:mod:`.cpu_host`, which veRL imports in every process through
+its own ``VERL_USE_EXTERNAL_MODULES``): the device platform (:mod:`.cpu_platform`: gloo, no device
+memory, fake "GPU" resources for Ray's placement) and two device patches (the duplicated gloo
 backend string, unpinned CPU offload). veRL's trainer, workers, TransferQueue, agent loop, reward
 loop, weight sync and checkpointing are its own; forkrl's engine and stock veRL's train as they
 would on a GPU, in float32 with bf16 autocast (veRL's default mixed precision) and sdpa attention.
-The speculative configs need vLLM and are refused here.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import subprocess
 import sys
@@ -33,10 +44,15 @@ from collections.abc import Mapping, Sequence
 
 from . import CONFIG_DIR
 
-__all__ = ["CPU_OVERRIDES", "HOST_MODULE", "ROLLOUT", "SMOKE_SIZES", "command", "environment", "main"]
+__all__ = [
+    "CPU_OVERRIDES", "HOST_MODULE", "ROLLOUT", "ROLLOUTS", "SMOKE_SIZES", "VLLM_OVERRIDES", "command",
+    "default_rollout", "environment", "main",
+]  # fmt: skip
 
-#: The rollout backend that stands in for vLLM (:mod:`.cpu_rollout`).
+#: The rollout backend that stands in for vLLM where vLLM's CPU build is missing (:mod:`.cpu_rollout`).
 ROLLOUT = "hf_cpu"
+#: ``--rollout`` choices: veRL's vLLM server on vLLM's CPU build, or :data:`ROLLOUT`.
+ROLLOUTS = ("vllm", "hf")
 #: The module veRL imports in every process of a CPU run (:mod:`.cpu_host`).
 HOST_MODULE = "forkrl.plugins.verl.cpu_host"
 
@@ -47,7 +63,6 @@ CPU_OVERRIDES = (
     "actor_rollout_ref.ref.strategy=fsdp2",
     "actor_rollout_ref.actor.use_torch_compile=False",
     "actor_rollout_ref.ref.use_torch_compile=False",
-    f"actor_rollout_ref.rollout.name={ROLLOUT}",
     "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
     "actor_rollout_ref.rollout.agent.num_workers=1",
     "reward.num_workers=1",
@@ -59,6 +74,18 @@ CPU_OVERRIDES = (
     "trainer.n_gpus_per_node=1",
     "trainer.nnodes=1",
     "data.dataloader_num_workers=0",
+)
+
+#: veRL's vLLM rollout on vLLM's CPU build, each for the reason given.
+VLLM_OVERRIDES = (
+    "actor_rollout_ref.rollout.name=vllm",
+    "actor_rollout_ref.rollout.enforce_eager=True",  # no CUDA graphs
+    "actor_rollout_ref.rollout.dtype=bfloat16",
+    "++actor_rollout_ref.rollout.enable_sleep_mode=False",  # vLLM's sleep mode exists on GPUs only
+    "actor_rollout_ref.rollout.free_cache_engine=False",  # (it frees the cache through sleep mode)
+    "actor_rollout_ref.rollout.max_model_len=1024",
+    "actor_rollout_ref.rollout.max_num_batched_tokens=1024",
+    "actor_rollout_ref.rollout.max_num_seqs=16",
 )
 
 #: A few GRPO steps of a tiny batch (2 prompts x 4 samples, 16 response tokens, 2 steps).
@@ -86,33 +113,58 @@ def _key(override: str) -> str:
     return override.lstrip("+~").split("=", 1)[0]
 
 
-def command(config_name: str, overrides: Sequence[str] = (), python: str = sys.executable) -> list[str]:
+def default_rollout() -> str:
+    """``vllm`` where vLLM's CPU build is installed, else ``hf``."""
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+
+
+def command(
+    config_name: str, overrides: Sequence[str] = (), python: str = sys.executable, rollout: str = "hf"
+) -> list[str]:
     """The ``main_ppo`` command line of a CPU run: forkrl's ``config_name`` (``ppo_trainer``: stock
-    veRL's), :data:`CPU_OVERRIDES` and :data:`SMOKE_SIZES` without the keys ``overrides`` sets, then
-    ``overrides``.
+    veRL's), :data:`CPU_OVERRIDES`, the rollout's (``rollout``: one of :data:`ROLLOUTS`) and
+    :data:`SMOKE_SIZES` without the keys ``overrides`` sets, then ``overrides``.
 
     Raises:
-        ValueError: for a speculative config (vLLM does not run here).
+        ValueError: a speculative config with the ``hf`` rollout; with ``vllm``, sleep mode or a
+            policy whose attention head dimension vLLM's CPU attention lacks.
     """
-    if config_name in _NEEDS_VLLM:
-        raise ValueError(
-            f"--config-name {config_name} drafts inside vLLM's engine, which a CPU run replaces with Hugging Face "
-            "generate: use forkrl_tree or forkrl_long_context here, and the speculative configs on a GPU machine"
-        )
+    if rollout not in ROLLOUTS:
+        raise ValueError(f"--rollout {rollout}: use {' or '.join(ROLLOUTS)}")
+    yours = {_key(o): o.split("=", 1)[-1] for o in overrides}
+    if rollout == "hf":
+        if config_name in _NEEDS_VLLM:
+            raise ValueError(
+                f"--config-name {config_name} drafts inside vLLM's engine, which the hf rollout replaces with "
+                "Hugging Face generate: pass --rollout vllm (scripts/setup.sh test installs vLLM's CPU build in "
+                "veRL's environment), or use forkrl_tree or forkrl_long_context"
+            )
+        rollout_overrides: tuple[str, ...] = (f"actor_rollout_ref.rollout.name={ROLLOUT}",)
+    else:
+        if yours.get("actor_rollout_ref.rollout.enable_sleep_mode", "False").lower() == "true":
+            raise ValueError(
+                "actor_rollout_ref.rollout.enable_sleep_mode=True: vLLM's sleep mode frees GPU memory and exists "
+                "on GPUs only: drop it"
+            )
+        from forkrl.plugins.vllm import check_cpu_head_size
+
+        check_cpu_head_size(yours.get("actor_rollout_ref.model.path", ""), fix="pass --rollout hf")
+        rollout_overrides = VLLM_OVERRIDES
     cmd = [python, "-m", "verl.trainer.main_ppo"]
     if (CONFIG_DIR / f"{config_name}.yaml").is_file():
         cmd += ["--config-path", str(CONFIG_DIR)]
     cmd += ["--config-name", config_name]
-    yours = {_key(o) for o in overrides}
-    return cmd + [o for o in (*CPU_OVERRIDES, *SMOKE_SIZES) if _key(o) not in yours] + list(overrides)
+    ours = (*CPU_OVERRIDES, *rollout_overrides, *SMOKE_SIZES)
+    return cmd + [o for o in ours if _key(o) not in yours] + list(overrides)
 
 
-def environment(base: Mapping[str, str] | None = None) -> dict[str, str]:
+def environment(base: Mapping[str, str] | None = None, rollout: str = "hf") -> dict[str, str]:
     """``base`` (default: this process's environment) for a CPU run: ``VERL_USE_EXTERNAL_MODULES``
     starts with :data:`HOST_MODULE` (your modules follow it, and may override what it registers),
     ``VERL_PLATFORM=forkrl_cpu``, ``VERL_ENGINE_DEVICE=cuda`` (veRL registers its FSDP engines for
     cuda/npu only; the tensors stay on the CPU), no ``RAY_ADDRESS`` (the run starts its own Ray),
-    and quieter defaults (tokenizer threads, Ray usage statistics, Ray's idle workers) unless set."""
+    and quieter defaults (tokenizer threads, Ray usage statistics, Ray's idle workers) unless set;
+    for the ``vllm`` rollout, forkrl's dense CPU linears and 1 GiB of vLLM's CPU cache unless set."""
     from .cpu_platform import NAME
 
     env = dict(os.environ if base is None else base)
@@ -128,6 +180,11 @@ def environment(base: Mapping[str, str] | None = None) -> dict[str, str]:
         HYDRA_FULL_ERROR="1",
     ).items():
         env.setdefault(key, value)
+    if rollout == "vllm":
+        from forkrl.plugins.vllm import DENSE_CPU
+
+        env[DENSE_CPU] = "1"
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return env
 
 
@@ -135,23 +192,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run veRL's ``main_ppo`` as a CPU smoke run; returns its exit status."""
     parser = argparse.ArgumentParser(
         prog="python -m forkrl.plugins.verl.cpu_run",
-        description="veRL's main_ppo on a CPU machine (HF generate in place of vLLM), with forkrl's YAML.",
+        description="veRL's main_ppo on a CPU machine, with forkrl's YAML.",
         epilog="Any other argument is a veRL (Hydra) override, e.g. data.train_files=... trainer.total_training_steps=4.",
     )
     parser.add_argument(
         "--config-name",
         default="forkrl_tree",
-        help="forkrl_tree (default), forkrl_long_context, or ppo_trainer (stock veRL)",
+        help="forkrl_tree (default), forkrl_long_context, forkrl_speculative, forkrl_tree_speculative, or "
+        "ppo_trainer (stock veRL)",
     )
     parser.add_argument("--model", help="the policy's folder (actor_rollout_ref.model.path)")
+    parser.add_argument(
+        "--rollout",
+        choices=ROLLOUTS,
+        default=None,
+        help="vllm: veRL's vLLM server on vLLM's CPU build (default where installed); hf: Hugging Face generate",
+    )
     args, overrides = parser.parse_known_args(argv)
     if args.model:
         overrides = [f"actor_rollout_ref.model.path={args.model}", *overrides]
+    rollout = args.rollout or default_rollout()
     try:
-        cmd = command(args.config_name, overrides)
+        cmd = command(args.config_name, overrides, rollout=rollout)
     except ValueError as err:
         parser.error(str(err))
-    return subprocess.call(cmd, env=environment())
+    return subprocess.call(cmd, env=environment(rollout=rollout))
 
 
 if __name__ == "__main__":

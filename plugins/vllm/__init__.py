@@ -18,21 +18,46 @@ Checked against vLLM 0.29.0 (``tests/openrlhf/test_vllm_drafter.py::test_contrac
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-from collections.abc import Callable, Iterator
 from typing import Any
+
+import torch.nn.functional as F
 
 from .mirror import DrafterMirror, forkrl_drafter, install_mirror
 
-__all__ = ["CHECKED", "DENSE_CPU", "DrafterMirror", "install_mirror", "register"]
+__all__ = ["CHECKED", "DENSE_CPU", "DrafterMirror", "check_cpu_head_size", "install_mirror", "register"]
 
 CHECKED = "vllm 0.29.0"
 
 #: Set to ``1`` where a host syncs weights into vLLM engines on its CPU worker without forkrl's
 #: drafter (forkrl's CPU runs): their linear weights stay dense too, so ``load_weights`` works.
 DENSE_CPU = "FORKRL_VLLM_DENSE_CPU"
+
+
+def check_cpu_head_size(path: str, fix: str) -> None:
+    """Refuse, before an engine starts, a model whose attention vLLM's CPU backend has no kernel for.
+
+    Args:
+        path: the model's folder (its config is read; a hub id is left to vLLM).
+        fix: the host's way around it, appended to the message.
+
+    Raises:
+        ValueError: naming the head dimension, the sizes vLLM's CPU attention takes, and ``fix``.
+    """
+    if not os.path.isdir(path):
+        return
+    from transformers import AutoConfig
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    text = AutoConfig.from_pretrained(path).get_text_config()
+    head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if head not in sizes:
+        raise ValueError(
+            f"on a CPU, the policy's attention head dimension {head} ({path}) has no kernel in vLLM's CPU "
+            f"attention (it takes {', '.join(map(str, sizes))}): use a model with one of them, or {fix}"
+        )
 
 
 def _dense_cpu(runner: Any) -> bool:
@@ -52,25 +77,20 @@ def register() -> None:
     _wrap_load_model(GPUModelRunner, cpu=False)
     try:
         from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-        from vllm.v1.worker.cpu_worker import CPUWorker
     except ImportError:  # a vLLM build without the CPU worker
         return
-
     _wrap_load_model(CPUModelRunner, cpu=True)
-    _wrap_dense(CPUModelRunner, "reload_weights", lambda runner: runner)
-    for name in ("update_weights", "finish_weight_update"):
-        if hasattr(CPUWorker, name):  # vLLM's weight-transfer engines (0.31)
-            _wrap_dense(CPUWorker, name, lambda worker: worker.model_runner)
 
 
 def _wrap_load_model(runner_class: type, cpu: bool) -> None:
     """Install the mirror after ``runner_class.load_model`` (the CPU runner overrides the GPU one's).
 
     On vLLM's CPU worker an engine with forkrl's drafter (or any, under :data:`DENSE_CPU`) keeps its
-    linear weights dense: the CPU worker otherwise repacks each one for its GEMM kernels and drops the dense weight, which leaves
-    nothing for the mirror to re-quantize, and no ``weight_loader``, so a host's later
-    ``load_weights`` fails (vLLM 0.29-0.31) or, for the LM head, whose dense weight is kept beside
-    its packed copy, is silently not used. Dense layers run ``F.linear`` on their current weight.
+    linear weights dense: the CPU worker otherwise repacks each one for its GEMM kernels and drops
+    the dense weight, which leaves nothing for the mirror to re-quantize, and no ``weight_loader``,
+    so a host's later ``load_weights`` fails (vLLM 0.29-0.31) or, for the LM head, whose dense
+    weight is kept beside its packed copy, is silently not used. Dense layers run ``F.linear`` on
+    their current weight.
     """
     original = runner_class.__dict__.get("load_model")
     if original is None or getattr(original, "_forkrl_wrapped", False):
@@ -78,48 +98,30 @@ def _wrap_load_model(runner_class: type, cpu: bool) -> None:
 
     @functools.wraps(original)
     def load_model(self: Any, *args: Any, **kwargs: Any) -> None:
-        if not (cpu and _dense_cpu(self)):
-            original(self, *args, **kwargs)
-        else:
+        if cpu and _dense_cpu(self):
             _exact_cpu_expand()
-            with _dense_cpu_linears():
-                original(self, *args, **kwargs)
+            _dense_cpu_linears()
+        original(self, *args, **kwargs)
         install_mirror(self)
 
     load_model._forkrl_wrapped = True  # type: ignore[attr-defined]
     runner_class.load_model = load_model
 
 
-def _wrap_dense(owner: type, name: str, runner: Callable[[Any], Any]) -> None:
-    """Keep linear weights dense through ``owner.name`` too (where :func:`_dense_cpu` of its runner).
+def _dense_cpu_linears() -> None:
+    """From now on in this process, 2-D weights on vLLM's CPU worker stay dense and run ``F.linear``.
 
-    vLLM's later weight loads (its own ``reload_weights``, and its weight-transfer engines'
-    ``update_weights``/``finish_weight_update``, which TRL's server mode drives) process each layer
-    again after loading: the CPU worker's repacking would then empty the dense weight that the
-    layerwise reload copies back.
+    For the rest of the process, not only while the model loads: every later re-processing of the
+    weights would repack them too (vLLM's own ``reload_weights`` and its weight-transfer engines'
+    layerwise reload, which TRL's server mode drives, and veRL's ``update_weights_from_ipc``, which
+    runs vLLM's ``process_weights_after_loading`` after each sync). A worker process holds one
+    engine; in a process that starts several in turn (tests), those started later are dense too.
     """
-    original = getattr(owner, name)
-    if getattr(original, "_forkrl_wrapped", False):
-        return
-
-    @functools.wraps(original)
-    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not _dense_cpu(runner(self)):
-            return original(self, *args, **kwargs)
-        with _dense_cpu_linears():
-            return original(self, *args, **kwargs)
-
-    wrapped._forkrl_wrapped = True  # type: ignore[attr-defined]
-    setattr(owner, name, wrapped)
-
-
-@contextlib.contextmanager
-def _dense_cpu_linears() -> Iterator[None]:
-    """While models load, 2-D weights on vLLM's CPU worker stay dense and run ``F.linear``."""
-    import torch.nn.functional as F
     from vllm.model_executor.layers import utils
 
     packed = utils.dispatch_cpu_unquantized_gemm
+    if getattr(packed, "_forkrl_dense", False):
+        return
 
     def dense(layer: Any, remove_weight: bool) -> None:
         if layer.weight.ndim != 2:
@@ -127,11 +129,8 @@ def _dense_cpu_linears() -> Iterator[None]:
         layer.cpu_linear = F.linear
         return None
 
+    dense._forkrl_dense = True  # type: ignore[attr-defined]
     utils.dispatch_cpu_unquantized_gemm = dense
-    try:
-        yield
-    finally:
-        utils.dispatch_cpu_unquantized_gemm = packed
 
 
 def _exact_cpu_expand() -> None:

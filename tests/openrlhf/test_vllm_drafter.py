@@ -100,7 +100,8 @@ def _build(model_config, state: dict[str, torch.Tensor]):
     from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
 
     vllm_config = VllmConfig(model_config=model_config, device_config=DeviceConfig(device="cpu"))
-    with set_current_vllm_config(vllm_config), fv._dense_cpu_linears():
+    fv._dense_cpu_linears()  # for the rest of this process, as in a worker with forkrl's drafter
+    with set_current_vllm_config(vllm_config):
         model = initialize_model(vllm_config)
         model.load_weights(iter(state.items()))
         process_weights_after_loading(model, model_config, torch.device("cpu"))

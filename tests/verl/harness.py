@@ -48,8 +48,14 @@ from forkrl.plugins.verl.config import ForkrlFSDPActorConfig  # noqa: E402
 fverl.register()
 
 
-def save_model(path) -> str:
-    return save_pretrained(byte_llama(0), byte_tokenizer(), path)
+#: A byte Llama that vLLM's CPU build serves (head dimension 32) and forkrl's int4 drafter tiles
+#: (hidden and MLP widths multiples of its 128-wide groups).
+VLLM_SHAPE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)
+
+
+def save_model(path, **shape) -> str:
+    """A tiny byte Llama with its tokenizer, saved at ``path`` (``shape``: config fields, e.g. :data:`VLLM_SHAPE`)."""
+    return save_pretrained(byte_llama(0, **shape), byte_tokenizer(), path)
 
 
 #: ``fsdp_config`` precision settings: float32 (exactness tests), veRL's default mixed precision

@@ -2,11 +2,13 @@
 
 veRL's own entry point, TaskRunner, Ray workers, TransferQueue, agent loop, reward loop, weight sync
 and checkpointing run a few GRPO steps on a tiny model, launched through forkrl's CPU smoke run
-(``python -m forkrl.plugins.verl.cpu_run``: a CPU platform and an HF-generate rollout in place of
-vLLM, loaded by veRL's own ``VERL_USE_EXTERNAL_MODULES`` hook; the test adds a recorder of the
-rollouts, :mod:`tests.e2e.cpu_host.verl_host`). Each run must exit 0, change the actor's
-parameters (its saved checkpoint against the initial model) and, with forkrl, log ``tree/*`` in
-veRL's own metrics (its file logger); stock veRL runs through the same harness and logs none.
+(``python -m forkrl.plugins.verl.cpu_run``: a CPU platform loaded by veRL's own
+``VERL_USE_EXTERNAL_MODULES`` hook, and veRL's own vLLM rollout on vLLM's CPU build, or for the tree
+run and its resume pair the Hugging Face rollout with a recorder, :mod:`tests.e2e.cpu_host.verl_host`).
+Each run must exit 0, change the actor's parameters (its saved checkpoint against the initial
+model) and, with forkrl, log ``tree/*`` in veRL's own metrics (its file logger); stock veRL runs
+through the same harness and logs none. On vLLM, veRL's own comparison of the rollout's sampling
+probabilities with the actor's shows that its weight sync reached the engine.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from forkrl.core.testing.models import byte_llama, byte_tokenizer, save_pretrained
 from forkrl.core.testing.ranks import clean_env
 from tests.e2e.launch import run_launcher
+from tests.verl import harness
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
@@ -34,16 +37,20 @@ def inputs(tmp_path_factory) -> dict:
     return build_inputs(tmp_path_factory.mktemp("verl-e2e"))
 
 
-def build_inputs(root: Path, system: str = "", pairs: list[tuple[int, int]] | None = None) -> dict:
+def build_inputs(
+    root: Path, system: str = "", pairs: list[tuple[int, int]] | None = None, shape: dict | None = None
+) -> dict:
     """A tiny Llama with a byte tokenizer (and a chat template, which veRL's dataset applies), and
     GSM8K-shaped parquet files as veRL's preprocessing scripts write them, under ``root``: one row
     per ``pairs`` entry, each prompt ``system`` (what the group's rows share beyond the question)
-    then the question."""
+    then the question; ``shape``: the model's config fields (e.g. :data:`harness.VLLM_SHAPE`)."""
     import pandas as pd
 
     tokenizer = byte_tokenizer()
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
-    model = save_pretrained(byte_llama(0, max_position_embeddings=1024), tokenizer, root / "model")
+    model = save_pretrained(
+        byte_llama(0, max_position_embeddings=1024, **(shape or {})), tokenizer, root / "model"
+    )
     system = system or "You are a careful calculator. Answer with the digits of the result only. "
     pairs = pairs or [(12, 30), (7, 8), (21, 4), (5, 55), (9, 9), (40, 2)]
     rows = [
@@ -110,14 +117,17 @@ def main_ppo(
     out: Path,
     config: str | None,
     *extra: str,
+    rollout: str = "hf",
     timeout: float = 600,
     extra_env: dict | None = None,
     **run,
 ) -> str:
     """veRL's own entry point in a fresh process, launched as a user launches a CPU smoke run
     (``python -m forkrl.plugins.verl.cpu_run``): ``config`` names forkrl's YAML, None runs stock
-    veRL; ``run``: :func:`_overrides`' sizes, ``extra_env``: more environment variables."""
+    veRL; ``rollout``: ``vllm`` (veRL's vLLM server on vLLM's CPU build) or ``hf`` (the stand-in);
+    ``run``: :func:`_overrides`' sizes, ``extra_env``: more environment variables."""
     cmd = [sys.executable, "-m", "forkrl.plugins.verl.cpu_run", "--config-name", config or "ppo_trainer"]
+    cmd += ["--rollout", rollout]
     cmd += [*_overrides(inputs, out, **run), *extra]
     env = clean_env(
         OMP_NUM_THREADS="1",
@@ -177,6 +187,7 @@ def check_run(inputs: dict, out: Path, log: str, tree: bool) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def tree_run(inputs, tmp_path_factory) -> tuple[Path, str]:
+    """On the Hugging Face rollout (the stand-in), as its resume pair needs: see tests/e2e/cpu_host."""
     out = tmp_path_factory.mktemp("tree")
     return out, main_ppo(inputs, out, "forkrl_tree")
 
@@ -208,12 +219,40 @@ def test_resuming_from_a_checkpoint_equals_the_uninterrupted_run(inputs, tree_ru
     assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)  # bitwise
 
 
-def test_the_long_context_run_trains_in_replay(inputs, tmp_path):
-    log = main_ppo(inputs, tmp_path, "forkrl_long_context")
-    logged = check_run(inputs, tmp_path, log, tree=True)
+@pytest.fixture(scope="module")
+def vllm_inputs(tmp_path_factory) -> dict:
+    """:func:`build_inputs` with a model vLLM's CPU build serves and forkrl's int4 drafter tiles."""
+    pytest.importorskip("vllm")
+    return build_inputs(tmp_path_factory.mktemp("verl-e2e-vllm"), shape=harness.VLLM_SHAPE)
+
+
+def check_vllm_rollouts(logged: list[dict]) -> None:
+    """veRL compares its rollout's sampling probabilities with the actor's: the engine starts from
+    dummy weights (veRL's default load format), so they agree only if veRL's weight sync reached
+    it (measured: about 5e-5; two different random models differ by about 4e-3)."""
+    for m in logged:
+        assert m["data"]["training/rollout_probs_diff_mean"] < 1e-3, m["data"][
+            "training/rollout_probs_diff_mean"
+        ]
+
+
+def test_stock_verl_runs_through_the_same_harness_on_vllm(vllm_inputs, tmp_path):
+    """Stock veRL with its own vLLM rollout (vLLMReplica, hybrid mode) on vLLM's CPU build."""
+    log = main_ppo(vllm_inputs, tmp_path, None, rollout="vllm")
+    check_vllm_rollouts(check_run(vllm_inputs, tmp_path, log, tree=False))
+
+
+def test_the_long_context_run_trains_in_replay_on_vllm(vllm_inputs, tmp_path):
+    log = main_ppo(vllm_inputs, tmp_path, "forkrl_long_context", rollout="vllm")
+    logged = check_run(vllm_inputs, tmp_path, log, tree=True)
     assert all(m["data"]["actor/tree/mode"] == 1 for m in logged)
+    check_vllm_rollouts(logged)
 
 
-def test_stock_verl_runs_through_the_same_harness(inputs, tmp_path):
-    log = main_ppo(inputs, tmp_path, None)
-    check_run(inputs, tmp_path, log, tree=False)
+def test_the_tree_and_speculative_run_trains_on_vllm(vllm_inputs, tmp_path):
+    """forkrl_tree_speculative: the tree in the actor, forkrl's int4 drafter in veRL's vLLM engine,
+    re-synced by forkrl's vLLM plugin after every weight update veRL sends (its shared-memory
+    bucketed transfer, ending in the engine's ``load_weights``)."""
+    log = main_ppo(vllm_inputs, tmp_path, "forkrl_tree_speculative", rollout="vllm")
+    check_vllm_rollouts(check_run(vllm_inputs, tmp_path, log, tree=True))
+    assert "forkrl_int4_g128" in log  # vLLM's engine config, printed as it starts

@@ -459,3 +459,33 @@ def test_the_cpu_run_command_composes_and_passes_verl_validation(name, model_pat
     env = cpu_run.environment({"VERL_USE_EXTERNAL_MODULES": "my_platform", "RAY_ADDRESS": "auto"})
     assert env["VERL_USE_EXTERNAL_MODULES"] == f"{cpu_run.HOST_MODULE},my_platform"
     assert env["VERL_PLATFORM"] == "forkrl_cpu" and "RAY_ADDRESS" not in env
+
+
+@pytest.mark.parametrize("name", ["forkrl_tree_speculative", "ppo_trainer"])
+def test_the_cpu_run_on_vllm_composes_and_refuses_what_vllms_cpu_build_lacks(name, tmp_path):
+    """``--rollout vllm``: veRL's own vLLM rollout with the CPU's settings (eager, bf16, no sleep
+    mode), the speculative configs allowed; refused before Ray: sleep mode, and a policy whose
+    attention head dimension vLLM's CPU attention has no kernel for."""
+    pytest.importorskip("vllm")
+    import verl.trainer.config
+
+    from forkrl.plugins.verl import cpu_run
+
+    model = harness.save_model(tmp_path / "vllm", **harness.VLLM_SHAPE)
+    data = [f"data.train_files={tmp_path / 'train.parquet'}", f"data.val_files={tmp_path / 'val.parquet'}"]
+    cmd = cpu_run.command(name, [*data, f"actor_rollout_ref.model.path={model}"], rollout="vllm")
+    overrides = cmd[cmd.index("--config-name") + 2 :]
+    folder = str(CONFIG_DIR) if name != "ppo_trainer" else os.path.dirname(verl.trainer.config.__file__)
+    with initialize_config_dir(config_dir=folder, version_base=None):
+        cfg = compose(config_name=name, overrides=overrides)
+    _validate(cfg)
+    rollout = cfg.actor_rollout_ref.rollout
+    assert rollout.name == "vllm" and rollout.enforce_eager and not rollout.enable_sleep_mode
+    sleep = "++actor_rollout_ref.rollout.enable_sleep_mode=True"
+    with pytest.raises(ValueError, match="sleep mode"):
+        cpu_run.command(name, [f"actor_rollout_ref.model.path={model}", sleep], rollout="vllm")
+    small = harness.save_model(tmp_path / "small")
+    with pytest.raises(ValueError, match=r"head dimension \d+ .* pass --rollout hf"):
+        cpu_run.command(name, [f"actor_rollout_ref.model.path={small}"], rollout="vllm")
+    env = cpu_run.environment({}, rollout="vllm")
+    assert env["FORKRL_VLLM_DENSE_CPU"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"

@@ -1,5 +1,13 @@
 """Test-only CPU stand-ins for the hosts' GPU-only parts (rollout servers, device patches) so that their real
-launchers run end to end on a CPU machine in CI; nothing in core/ or plugins/ imports it."""
+launchers run end to end on a CPU machine in CI; nothing in core/ or plugins/ imports it.
+
+The end-to-end runs sample from the hosts' own vLLM engines on vLLM's CPU build. A Hugging Face
+``generate`` rollout (the products' ``--rollout hf``, here with a recorder of its samples) stands in
+only where a run must see the same rollouts twice: the resume pairs (veRL's tree run and its
+resumed copy, OpenRLHF's) and ``benchmarks/learning_curve_hosts.py``, which compare a resumed or
+forkrl run with another run sample for sample. vLLM's samples depend on how its scheduler batches
+the requests, so a second run cannot reproduce them; the stand-in samples by prompt and position.
+"""
 
 import json
 import os
