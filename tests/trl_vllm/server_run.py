@@ -10,7 +10,8 @@ peaked head at W0, W1; forkrl's int4 drafter, 4 tokens).
 
 - ``server``: ``python -m forkrl.plugins.trl.vllm_serve`` (TRL's server script, hence vLLM's HTTP
   server, with forkrl's ``--speculative-config``) at W0; TRL's own ``VLLMClient`` generates the
-  greedy completions; vLLM's speculative counters are read from the server's ``/metrics``.
+  greedy completions; vLLM's speculative counters are read from the server's ``/metrics`` by forkrl's reader
+  (what its ``spec/*`` metrics read in server mode).
 - ``transfer``: an engine at W0 receives W1 through vLLM's weight-transfer lifecycle, the one TRL's
   server-mode sync drives (``init_weight_transfer_engine``, ``start_weight_update``, then
   ``update_weights`` loading each tensor with the target's ``load_weights``, then
@@ -106,20 +107,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _prometheus_counters(text: str) -> dict[str, float]:
-    from forkrl.core.speculative.vllm_engine import _SPEC_COUNTERS
-
-    out = dict.fromkeys(_SPEC_COUNTERS, 0.0)
-    for line in text.splitlines():
-        for key, name in _SPEC_COUNTERS.items():
-            if line.startswith(name + "_total{"):
-                out[key] += float(line.rsplit(" ", 1)[1])
-    return out
-
-
 def server(folder: Path) -> dict:
     import requests
     from trl.generation.vllm_client import VLLMClient
+
+    from forkrl.plugins.trl.vllm_speculative import prometheus_counters
 
     (w0, _, _), _ = run.save_policies(folder)
     port = _free_port()
@@ -153,7 +145,9 @@ def server(folder: Path) -> dict:
             max_tokens=run.MAX_TOKENS,
             generation_kwargs={"stop_token_ids": run.STOP},
         )
-        counts = _prometheus_counters(requests.get(base + "/metrics", timeout=30).text)
+        counts = prometheus_counters(
+            requests.get(base + "/metrics", timeout=30).text
+        )  # forkrl's server-mode reader
         speculative_config = client.get_server_info()["speculative_config"]
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
