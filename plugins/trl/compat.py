@@ -1,7 +1,7 @@
 """Every TRL, transformers-Trainer and accelerate private the TRL plugin relies on, in one place.
 
 Each :class:`HostPrivate` names a method the plugin overrides or calls, or an attribute it reads or
-writes, with the reason; ``tests/plugins/test_trl_contract.py`` checks every entry against the
+writes, with the reason; ``tests/trl/test_trl_contract.py`` checks every entry against the
 installed TRL (signatures with ``inspect.signature``, instance attributes by the trainer's source),
 so an upgrade that changes one fails in one test with the entry's name. The accessors below are the
 plugin's only way to underscore attributes.

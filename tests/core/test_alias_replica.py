@@ -101,7 +101,7 @@ def test_wider_accumulation_keeps_every_unit_once():
 
 def test_partitioned_parameters_need_the_engines_gather_and_gather_once():
     """Parameters marked as ZeRO-3 partitions (``ds_id``; the real ones are tested with DeepSpeed in
-    tests/plugins/test_trl_deepspeed.py and tests/openrlhf): no gather is refused; ``whole`` gathers
+    tests/trl/test_trl_deepspeed.py and tests/openrlhf): no gather is refused; ``whole`` gathers
     once however deeply nested; the surrogate needs them whole, and its zero form reaches none."""
     import contextlib
 

@@ -1,1 +1,1 @@
-"""End-to-end runs through the hosts' own launchers (tests/plugins/test_trl_e2e.py, tests/verl, tests/openrlhf)."""
+"""End-to-end runs through the hosts' own launchers (tests/trl/test_trl_e2e.py, tests/verl, tests/openrlhf)."""

@@ -45,7 +45,7 @@ def _keep_fsdp(self, *args, fsdp_plugin=None, **kwargs):
         PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 AcceleratorState.__init__ = _keep_fsdp
 
-from tests.plugins.trl_helpers import train
+from tests.trl.trl_helpers import train
 mode, out = sys.argv[1], Path(sys.argv[2])
 fsdp = dict(fsdp=True, fsdp_config={{"version": 2, "reshard_after_forward": True, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "state_dict_type": "FULL_STATE_DICT"}})

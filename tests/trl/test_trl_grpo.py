@@ -255,7 +255,7 @@ sys.path.insert(0, {repo!r})
 from pathlib import Path
 import torch
 from datasets import Dataset
-from tests.plugins.trl_helpers import prompt_dataset, train
+from tests.trl.trl_helpers import prompt_dataset, train
 mode, out = sys.argv[1], Path(sys.argv[2])
 kw = {{}}
 if len(sys.argv) > 4:  # skewed: long and short prompts (two whole groups per micro-batch and rank)

@@ -44,7 +44,7 @@ if stage:
         return ("gloo" if name is None else name), kind
     PartialState._prepare_backend = _gloo
 
-from tests.plugins.trl_helpers import train
+from tests.trl.trl_helpers import train
 mode, out, per_device = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
 ds = {{"zero_optimization": {{"stage": stage, "stage3_param_persistence_threshold": 0}},
       "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",

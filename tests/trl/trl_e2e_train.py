@@ -2,7 +2,7 @@
 CPU machine (accelerate's MULTI_CPU: 2 gloo processes), TRL's own generation, a checkpoint every 2
 steps, SGD (so the comparison sees the update itself), optionally resumed from a checkpoint.
 
-    accelerate launch --multi_gpu --num_processes 2 tests/plugins/trl_e2e_train.py \\
+    accelerate launch --multi_gpu --num_processes 2 tests/trl/trl_e2e_train.py \\
         MODEL OUT tree|stock STEPS [CHECKPOINT]
 
 Writes the final parameters to ``OUT/final.pt`` (rank 0); TRL writes its logs to
@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from forkrl.core.testing.ranks import finish  # noqa: E402
-from tests.plugins.trl_helpers import letter_reward, prompt_dataset  # noqa: E402
+from tests.trl.trl_helpers import letter_reward, prompt_dataset  # noqa: E402
 
 
 def main() -> None:
