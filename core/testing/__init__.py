@@ -4,8 +4,8 @@
   :class:`Bf16Rounding` (the bf16 criterion of the precision tests).
 - :mod:`.memory`: :class:`SavedBytes` (autograd's saved-tensor peak), :func:`peak_rss_bytes`.
 - :mod:`.models`: tiny model and tokenizer builders, and the plain computation to compare with.
-- :mod:`.ranks`: multi-process runs (:func:`~.ranks.torchrun`, one-writer :func:`~.ranks.report`,
-  :func:`~.ranks.finish`).
+- :mod:`.ranks`: multi-process runs (:func:`~.ranks.run_on_ranks`: a function on N gloo ranks,
+  results as data; :func:`~.ranks.torchrun` for a host launcher's script, :func:`~.ranks.finish`).
 """
 
 from .memory import SavedBytes, peak_rss_bytes

@@ -1,22 +1,58 @@
-"""Multi-process test runs: launching local ranks, and ending a rank's script cleanly.
+"""Multi-process test runs: a module-level function on N gloo ranks, returning its results as data.
+
+:func:`run_on_ranks` runs ``fn(*args, **kwargs)`` in ``world_size`` fresh interpreters with
+torchrun's launcher variables set (a free local port), a gloo group started (unless the host code
+starts its own), and returns each rank's return value, in rank order. ``fn`` and its arguments
+travel by pickle, so ``fn`` is a module-level function (in a test module, or beside it) and the
+results are plain data: no script in a string, no parsing of printed lines. A rank that raises
+fails the call with that rank's traceback; the other ranks are stopped (they may be waiting in a
+collective the failed rank never reached). :func:`run_in_subprocess` runs a function once in a
+fresh interpreter without launcher variables (the one-process run a multi-rank run is compared with).
 
 A test process may itself hold a one-rank gloo group (host harnesses initialise one), so the ranks
-it launches get an environment without torchrun's launcher variables and start their own group.
-A rank's script ends with :func:`finish`: a process group still alive at interpreter exit can
-abort the process (SIGABRT) after its work has passed.
+it launches get an environment without its launcher variables and start their own group.
+:func:`torchrun` runs a script file under torchrun (a host whose own launcher must start the ranks);
+such a script ends with :func:`finish`: a process group still alive at interpreter exit can abort
+the process (SIGABRT) after its work has passed.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
+import socket
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-__all__ = ["LAUNCHER_ENV", "clean_env", "finish", "rank_lines", "report", "torchrun"]
+__all__ = [
+    "LAUNCHER_ENV",
+    "RankFailed",
+    "clean_env",
+    "finish",
+    "rank_lines",
+    "report",
+    "run_in_subprocess",
+    "run_on_ranks",
+    "torchrun",
+]
 
 #: The variables torchrun sets for its ranks (and a one-rank harness sets for itself).
-LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -91,3 +127,180 @@ def finish() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+class RankFailed(AssertionError):
+    """A rank of :func:`run_on_ranks` raised (or died, or hung); the message carries its traceback."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    init_group: bool = True,
+    timeout: float = 600,
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` local ranks and return each rank's result.
+
+    Each rank is a fresh interpreter (one OpenMP thread unless ``env`` says otherwise) with
+    torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+    ``MASTER_PORT`` on a free port); with ``init_group`` it joins a gloo group before ``fn`` runs
+    (leave it off when the host code under test starts the group from those variables:
+    accelerate, DeepSpeed). After ``fn`` returns, every rank waits for the others and the group is
+    destroyed.
+
+    Args:
+        fn: a module-level function (pickled by reference); ``args``/``kwargs`` and its result
+            must pickle.
+        world_size: the number of ranks.
+        init_group: start a gloo group (``env://``) before calling ``fn``.
+        timeout: seconds for the whole run; a hang fails with :class:`RankFailed`.
+        env: extra environment variables for every rank.
+
+    Returns:
+        ``[result of rank 0, result of rank 1, ...]``.
+
+    Raises:
+        RankFailed: when a rank raised (its traceback), died, or the run timed out.
+    """
+    port = str(_free_port())
+    envs = [
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            **(env or {}),
+        }
+        for rank in range(world_size)
+    ]
+    return _launch(fn, args, kwargs, envs, init_group, timeout)
+
+
+def run_in_subprocess(
+    fn: Callable[..., Any], *args: Any, timeout: float = 600, env: dict[str, str] | None = None, **kwargs: Any
+) -> Any:
+    """Run ``fn(*args, **kwargs)`` once in a fresh interpreter without launcher variables (no
+    process group; one OpenMP thread unless ``env`` says otherwise) and return its result.
+
+    Raises:
+        RankFailed: when it raised (its traceback), died, or timed out.
+    """
+    return _launch(fn, args, kwargs, [dict(env or {})], False, timeout)[0]
+
+
+def _launch(
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict[str, Any],
+    envs: list[dict[str, str]],
+    init_group: bool,
+    timeout: float,
+) -> list[Any]:
+    with tempfile.TemporaryDirectory(prefix="forkrl-ranks-") as tmp:
+        work = Path(tmp)
+        call = work / "call.pkl"
+        # sys.path travels first and on its own: unpickling fn imports its module (a test module
+        # is importable only from the paths pytest added).
+        call.write_bytes(pickle.dumps((list(sys.path), pickle.dumps((fn, args, kwargs, init_group)))))
+        procs = []
+        for rank, extra in enumerate(envs):
+            out = open(work / f"{rank}.log", "w")  # noqa: SIM115 (closed below, after the process)
+            cmd = [sys.executable, "-m", __name__, str(call), str(work / f"{rank}.result")]
+            procs.append(
+                (
+                    subprocess.Popen(
+                        cmd,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        env=clean_env(**{"OMP_NUM_THREADS": "1", **extra}),
+                        cwd=os.getcwd(),
+                    ),
+                    out,
+                )
+            )
+        try:
+            failure = _wait(procs, work, time.monotonic() + timeout)
+        finally:
+            for proc, out in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+                out.close()
+        if failure is not None:
+            raise RankFailed(failure)
+        results = []
+        for rank in range(len(envs)):
+            _, value = pickle.loads((work / f"{rank}.result").read_bytes())
+            results.append(value)
+        return results
+
+
+def _wait(procs: list, work: Path, deadline: float) -> str | None:
+    """Wait for every rank; the first failure (a raised exception, a death, the deadline) as text."""
+    while True:
+        running = False
+        for rank, (proc, _) in enumerate(procs):
+            code = proc.poll()
+            if code is None:
+                running = True
+                continue
+            result = work / f"{rank}.result"
+            if result.exists():
+                ok, value = pickle.loads(result.read_bytes())
+                if not ok:
+                    return f"rank {rank} of {len(procs)} raised:\n{value}"
+            else:
+                log = (work / f"{rank}.log").read_text(errors="replace")[-4000:]
+                return (
+                    f"rank {rank} of {len(procs)} exited with {code} and no result; its output ends:\n{log}"
+                )
+        if not running:
+            return None
+        if time.monotonic() > deadline:
+            logs = "\n".join(
+                f"--- rank {rank}:\n" + (work / f"{rank}.log").read_text(errors="replace")[-2000:]
+                for rank in range(len(procs))
+            )
+            return f"the ranks did not finish in time (a hang?); their output ends:\n{logs}"
+        time.sleep(0.05)
+
+
+def _rank_main(call_path: str, result_path: str) -> None:
+    """One rank of :func:`_launch`: run the call, write ``(ok, result or traceback)``, and end
+    without the interpreter's teardown (see :func:`finish`)."""
+    import traceback
+
+    sys_path, call = pickle.loads(Path(call_path).read_bytes())
+    sys.path[:] = sys_path
+    try:
+        fn, args, kwargs, init_group = pickle.loads(call)
+        if init_group:
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo")
+        outcome = (True, fn(*args, **kwargs))
+    except BaseException:  # noqa: BLE001 (every failure goes back to the parent, as text)
+        outcome = (False, traceback.format_exc())
+    tmp = Path(result_path + ".tmp")
+    tmp.write_bytes(pickle.dumps(outcome))
+    tmp.rename(result_path)  # whole or absent: the parent may read it while this rank still runs
+    if not outcome[0]:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # no barrier: the other ranks may never reach it; the parent stops them
+    finish()
+
+
+if __name__ == "__main__":
+    _rank_main(*sys.argv[1:3])

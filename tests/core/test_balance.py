@@ -221,43 +221,46 @@ def test_rebalanced_metrics_report_predicted_and_measured_makespans():
     assert model.observe(PieceStats(10.0, 50.0, 2.0, 8.0), 0.5) == [0.5]  # one process: its own time
 
 
-_RANKS_SCRIPT = r"""
-import sys
-sys.path.insert(0, {root!r})
-import torch.distributed as dist
-from forkrl.core.balance import CostModel, rebalance
-from forkrl.core.testing.ranks import finish, report
-from tests.core.test_balance import _grpo
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-seqs, score_from = _grpo(4, 4, seed=3)
-mine = [(i, s, f) for i, (s, f) in enumerate(zip(seqs, score_from)) if i % 2 == rank]
-# Each rank's own fit of the same samples: equal up to rounding in a real run (MKL's least squares
-# differs in the last bits between processes); here made different enough to change the plan.
-model = CostModel(per_token=1.0) if rank == 0 else CostModel(per_token=0.0, per_unit=1.0, per_scored=3.0)
-for equal_rows in (True, False):
-    result = rebalance(mine, lambda r: (r[1], r[2]), model, equal_rows=equal_rows)
-    ids = ",".join(str(r[0]) for r in result.rows)
-    report(f"RANK {{rank}} {{equal_rows}} {{ids}} {{result.predicted_after!r}} {{result.moved}}")
-finish()
-"""
+def _rank_plans() -> list[dict]:
+    """One rank's share of the plan, for equal_rows True and False: the rows it trains and the
+    plan's figures as this rank saw them."""
+    import torch.distributed as dist
+
+    from forkrl.core.balance import rebalance
+
+    rank = dist.get_rank()
+    seqs, score_from = _grpo(4, 4, seed=3)
+    mine = [(i, s, f) for i, (s, f) in enumerate(zip(seqs, score_from, strict=True)) if i % 2 == rank]
+    # Each rank's own fit of the same samples: equal up to rounding in a real run (MKL's least
+    # squares differs in the last bits between processes); here made different enough to change
+    # the plan.
+    if rank == 0:
+        model = CostModel(per_token=1.0)
+    else:
+        model = CostModel(per_token=0.0, per_unit=1.0, per_scored=3.0)
+    plans = []
+    for equal_rows in (True, False):
+        result = rebalance(mine, lambda r: (r[1], r[2]), model, equal_rows=equal_rows)
+        plans.append(
+            {
+                "equal_rows": equal_rows,
+                "ids": [r[0] for r in result.rows],
+                "figures": (result.predicted_after, result.moved),
+            }
+        )
+    return plans
 
 
-def test_ranks_follow_one_plan_whatever_their_cost_models(tmp_path):
+def test_ranks_follow_one_plan_whatever_their_cost_models():
     """Every rank trains exactly its share of one plan, made once: ranks whose online cost models
     differ (a fit on each rank; rounding differs between processes) must not each plan for
     themselves, or a row is trained twice and another never (a silently wrong update)."""
-    from pathlib import Path
+    from forkrl.core.testing.ranks import run_on_ranks
 
-    from forkrl.core.testing.ranks import rank_lines, torchrun
-
-    root = Path(__file__).resolve().parents[2]
-    script = tmp_path / "ranks.py"
-    script.write_text(_RANKS_SCRIPT.format(root=str(root)))
-    lines = [line.split() for line in rank_lines(torchrun(script, cwd=root).stdout)]
-    assert len(lines) == 4, lines
-    for equal_rows in ("True", "False"):
-        parts = [line for line in lines if line[2] == equal_rows]
-        ids = sorted(int(i) for line in parts for i in line[3].split(",") if i)
+    ranks = run_on_ranks(_rank_plans, 2)
+    for equal_rows in (True, False):
+        parts = [plan for plans in ranks for plan in plans if plan["equal_rows"] == equal_rows]
+        assert len(parts) == 2, ranks
+        ids = sorted(i for plan in parts for i in plan["ids"])
         assert ids == list(range(16)), (equal_rows, parts)  # every row once
-        assert parts[0][4:] == parts[1][4:], parts  # the same figures on every rank
+        assert parts[0]["figures"] == parts[1]["figures"], parts  # the same figures on every rank

@@ -1,0 +1,54 @@
+"""The multi-rank runner the distributed tests use: results come back as data in rank order, a
+rank's exception fails the run with that rank's traceback (the other ranks are stopped, not left
+waiting in a collective), and a hang fails at the timeout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from forkrl.core.testing.ranks import RankFailed, run_in_subprocess, run_on_ranks
+
+
+def _sum_of_ranks(scale: float, *, offset: int = 0) -> dict:
+    t = torch.tensor([float(dist.get_rank() + offset)])
+    dist.all_reduce(t)
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.item() * scale}
+
+
+def _rank_one_raises() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("rank one disagrees")
+    dist.barrier()  # rank 0 waits here for a rank that never comes
+
+
+def _sleeps() -> None:
+    import time
+
+    time.sleep(60)
+
+
+def _launcher_env() -> dict:
+    import os
+
+    return {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS")}
+
+
+def test_results_come_back_in_rank_order():
+    got = run_on_ranks(_sum_of_ranks, 2, 2.0, offset=1, timeout=120)
+    assert got == [{"rank": r, "world": 2, "sum": 6.0} for r in range(2)]
+
+
+def test_a_rank_that_raises_fails_the_run_with_its_traceback():
+    with pytest.raises(RankFailed, match=r"(?s)rank 1 of 2 raised.*ValueError: rank one disagrees"):
+        run_on_ranks(_rank_one_raises, 2, timeout=120)
+
+
+def test_a_hang_fails_at_the_timeout():
+    with pytest.raises(RankFailed, match="did not finish in time"):
+        run_on_ranks(_sleeps, 2, init_group=False, timeout=3)
+
+
+def test_one_process_runs_without_launcher_variables():
+    assert run_in_subprocess(_launcher_env) == {"RANK": None, "WORLD_SIZE": None, "OMP_NUM_THREADS": "1"}
