@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..quant import Drafter
+from .ragged import time_forwards
 
 __all__ = [
     "DEFAULT_LADDER",
@@ -315,10 +316,8 @@ class SpeculationPolicy:
                 machine with one torch thread ignores other processes' load).
             **kwargs: ``ladder``, ``margin``, ``alpha_init``, ``ema``.
         """
-        from .hf import time_forwards
-
         ladder = tuple(kwargs.get("ladder", DEFAULT_LADDER))
-        cm = time_forwards(
+        target_s, draft_s = time_forwards(
             model,
             drafter,
             batch_sizes,
@@ -331,6 +330,8 @@ class SpeculationPolicy:
             clock,
             ladder,
         )
+        # Noise can invert neighbouring points: timings are made non-decreasing in both axes.
+        cm = CostModel(list(batch_sizes), _monotone(target_s), _monotone(draft_s), context_len)
         return cls(cost_model=cm, **kwargs)
 
     def decide(
