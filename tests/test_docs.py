@@ -1,5 +1,6 @@
 """The documentation holds together: a one-screen README that links every page, links and anchors
-that resolve, benchmark commands that exist, and the generated models page up to date.
+that resolve, benchmark commands that exist, the generated models page up to date, and
+docs/design.md's layout naming every module under core/ and plugins/ and no path that is gone.
 
 Reads files only (no model, no sweep, no network): well under a second.
 """
@@ -141,3 +142,97 @@ def test_models_page_is_the_generators_output():
     for row in result["rows"]:
         assert f"`{row['model_type']}`" in page, row["model_type"]
     assert f"## Refused ({sum(r['status'] == 'refused' for r in result['rows'])})" in page
+
+
+# ---------------------------------------------------------------------------- design.md's layout
+
+DESIGN = ROOT / "docs" / "design.md"
+_ENTRY_INDENT = 8  # a layout line indented less than this starts an entry; deeper lines continue one
+_PY_NAME = re.compile(r"(?<![\w./-])([\w./-]*\w\.py)\b")
+
+
+def layout_entries(text: str) -> dict[str, str]:
+    """The Layout section's code block as ``{path: description}``: an entry's path is its first word
+    under the nearest less indented folder entry (``core/`` then ``  tree/`` is ``core/tree/``), its
+    description the rest of its line and the deeper-indented lines that follow."""
+    section = ("\n" + text).split("\n## Layout", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```", 2)[1].split("\n", 1)[1]
+    entries: dict[str, str] = {}
+    parents: list[tuple[int, str]] = []  # (indent, folder path) of the open folder entries
+    last = None
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        if indent >= _ENTRY_INDENT:
+            entries[last] += " " + line.strip()
+            continue
+        while parents and parents[-1][0] >= indent:
+            parents.pop()
+        word, _, rest = line.strip().partition(" ")
+        last = (parents[-1][1] if parents else "") + word
+        entries[last] = rest.strip()
+        if word.endswith("/"):
+            parents.append((indent, last))
+    return entries
+
+
+def layout_names(entries: dict[str, str]) -> set[str]:
+    """Every path the section names: the entries, and each ``name.py`` in an entry's description
+    (relative to the entry's folder, or to the repository root when it holds a ``/``)."""
+    names = set(entries)
+    for path, description in entries.items():
+        folder = path if path.endswith("/") else path.rpartition("/")[0] + "/"
+        for name in _PY_NAME.findall(description):
+            names.add(name if "/" in name else (folder + name).lstrip("/"))
+    return names
+
+
+def modules(top: str) -> set[str]:
+    """Every module under ``top``: each package as ``folder/`` and each ``.py`` file but ``__init__.py``."""
+    out = set()
+    for path in (ROOT / top).rglob("*.py"):
+        if "__pycache__" in path.parts:
+            continue
+        rel = path.relative_to(ROOT).as_posix()
+        if path.name == "__init__.py":
+            out.add(rel.rpartition("/")[0] + "/")
+        else:
+            out.add(rel)
+    return out
+
+
+def _exists(name: str) -> bool:
+    return any(ROOT.glob(name.rstrip("/"))) if "*" in name else (ROOT / name).exists()
+
+
+def test_pages_name_real_modules():
+    """A `core/...` or `plugins/...` path in backticks on any page exists (modules move: say where)."""
+    bad = []
+    for page in PAGES:
+        for path in sorted(set(re.findall(r"`((?:core|plugins)/[\w./-]*)`", page.read_text()))):
+            if not (ROOT / path.rstrip("/")).exists():
+                bad.append(f"{page.relative_to(ROOT)}: `{path}`")
+    assert not bad, "pages name paths that do not exist (name where the module is now): " + "; ".join(bad)
+
+
+def test_layout_section_parses():
+    block = "core/   c\n  tree/  t (forest.py)\n        more\n  errors.py  e\nx.py  y\n"
+    entries = layout_entries(f"## Layout\n\n```\n{block}```\n")
+    assert entries == {"core/": "c", "core/tree/": "t (forest.py) more", "core/errors.py": "e", "x.py": "y"}
+    assert layout_names(entries) == {*entries, "core/tree/forest.py"}
+
+
+def test_design_layout_names_every_module_and_only_real_paths():
+    """docs/design.md's Layout section names every package and module under core/ and plugins/ (as an
+    entry, or as ``name.py`` in its folder's description) and no path that does not exist."""
+    names = layout_names(layout_entries(DESIGN.read_text()))
+    unnamed = sorted((modules("core") | modules("plugins")) - names)
+    gone = sorted(n for n in names if not _exists(n))
+    problems = []
+    if unnamed:
+        problems.append("add (a module the section does not name): " + ", ".join(unnamed))
+    if gone:
+        problems.append("remove or rename (named, but no such path): " + ", ".join(gone))
+    message = "docs/design.md, section Layout, is out of date with the tree:\n  " + "\n  ".join(problems)
+    assert not problems, message
