@@ -35,7 +35,8 @@ from typing import NamedTuple
 import torch
 
 from .. import compat
-from .split import _expand, _reduce, compute_dtype, kernels_for, merge, split_attention
+from .latent import LatentKV, latent_attention
+from .split import _expand, _reduce, compute_dtype, kernels_for, maskless_scale, merge, split_attention
 
 __all__ = [
     "LevelKernels",
@@ -264,14 +265,19 @@ def tree_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """The transformers attention function of tree passes: a level run's keys carry their units'
-    ancestors (``key.forkrl_level``, :func:`level_attention`); any other call is a depth-first
-    unit's (:func:`~forkrl.core.attention.split.split_attention`).
+    ancestors (``key.forkrl_level``, :func:`level_attention`); an MLA layer's carry the latent
+    cache (``key.forkrl_latent``, :func:`~forkrl.core.attention.latent.latent_attention`); any
+    other call is a depth-first unit's (:func:`~forkrl.core.attention.split.split_attention`).
 
     Returns:
         ``[B, q, H, d]`` attention output, and None for the weights.
     """
     level: LevelPast | None = getattr(key, "forkrl_level", None)
     if level is None:
+        latent: LatentKV | None = getattr(key, "forkrl_latent", None)
+        if latent is not None:  # the latent cache, not per-head keys (see .latent)
+            scale = maskless_scale(query, attention_mask, scaling, kwargs)
+            return latent_attention(query, latent, dropout, scale).transpose(1, 2).contiguous(), None
         return split_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if attention_mask is not None or dropout > 0.0 or kwargs.get("sliding_window") or kwargs.get("softcap"):
         raise RuntimeError("a level run reached a layer that needs a mask or dropout; this is a forkrl bug")

@@ -40,6 +40,7 @@ __all__ = [
     "compute_dtype",
     "kernels_for",
     "masked_attention",
+    "maskless_scale",
     "reference_attention",
     "split_attention",
 ]
@@ -371,6 +372,15 @@ def masked_attention(
     )
 
 
+def maskless_scale(
+    query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float | None, kwargs: dict
+) -> float:
+    """The softmax scale of a call that must need no mask (the split and latent paths), or raise."""
+    if attention_mask is not None or kwargs.get("sliding_window") or kwargs.get("softcap"):
+        raise RuntimeError(f"{NAME} was selected for a layer that needs a mask; this is a forkrl bug")
+    return scaling if scaling is not None else query.shape[-1] ** -0.5
+
+
 def split_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -393,14 +403,7 @@ def split_attention(
     Returns:
         ``[B, q, H, d]`` attention output, and None for the weights.
     """
-    if attention_mask is not None or kwargs.get("sliding_window") or kwargs.get("softcap"):
-        raise RuntimeError(f"{NAME} was selected for a layer that needs a mask; this is a forkrl bug")
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    latent = getattr(key, "forkrl_latent", None)
-    if latent is not None:  # an MLA layer: the latent cache, not per-head keys (see .latent)
-        from .latent import latent_attention
-
-        return latent_attention(query, latent, dropout, scale).transpose(1, 2).contiguous(), None
+    scale = maskless_scale(query, attention_mask, scaling, kwargs)
     pieces: PastPieces | None = getattr(key, "forkrl_past", None)
     q_len = query.shape[2]
     n_rep = query.shape[1] // key.shape[1]
