@@ -31,11 +31,10 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from forkrl.core.balance import CostModel, Rebalanced, rebalance
 
-__all__ = ["balance_mini_batch", "unsafe_reason"]
+from . import compat
+from .compat import ROW_LOCAL_LOSSES
 
-#: Policy losses whose rows are weighted independently of the rows sharing their micro-batch
-#: (per-token terms aggregated by ``agg_loss`` over the mini-batch's global counts).
-ROW_LOCAL_LOSSES = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "dro", "cispo", "bypass_mode")
+__all__ = ["balance_mini_batch", "unsafe_reason"]
 
 #: Non-tensor fields derived from the batch's padded layout: recomputed for the new rows.
 _LAYOUT_FIELDS = ("max_seq_len", "max_response_len", "indices")
@@ -59,8 +58,6 @@ def unsafe_reason(loss_mode: str, loss_agg_mode: str, loss_scale_factor: Any) ->
 def _split(data: TensorDict) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Per row, every per-row field (nested rows unbound, padded rows as they are); and the
     batch's non-tensor fields."""
-    from . import compat
-
     batch = int(data.batch_size[0])
     rows: list[dict[str, Any]] = [{} for _ in range(batch)]
     meta: dict[str, Any] = {}

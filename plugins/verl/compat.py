@@ -21,6 +21,7 @@ from ..fields import has_content
 __all__ = [
     "CHECKED",
     "PRIVATES",
+    "ROW_LOCAL_LOSSES",
     "Private",
     "check",
     "fixed_micro_batch_count",
@@ -36,6 +37,11 @@ __all__ = [
 ]
 
 CHECKED = "verl 0.9.1 (transformers 5.10.4, tensordict 0.10.0)"
+
+#: veRL policy losses whose rows are weighted independently of the rows sharing their micro-batch
+#: (per-token terms aggregated by ``agg_loss`` over the mini-batch's global counts): the losses
+#: under which ``tree_balance`` may move rows between ranks (checked to exist in veRL's registry).
+ROW_LOCAL_LOSSES = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "dro", "cispo", "bypass_mode")
 
 
 def _engine_methods() -> None:
@@ -120,8 +126,6 @@ def _balance_facts() -> None:
         "horizon = loss_mask.shape[-1]",
     ):
         assert needle in src, needle
-    from forkrl.plugins.verl.balance import ROW_LOCAL_LOSSES
-
     for name in ROW_LOCAL_LOSSES:
         core_algos.get_policy_loss_fn(name)
 
