@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import inspect
 import math
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from forkrl.core.testing.ranks import clean_env, torchrun
+from forkrl.core.testing.ranks import run_in_subprocess, run_on_ranks
 
 trl = pytest.importorskip("trl")
 
@@ -37,7 +35,6 @@ from .trl_helpers import (  # noqa: E402
 )
 
 TOL = 1e-4
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +205,7 @@ def test_keyword_shortcut_and_metrics(model_path, tmp_path):
 
 def test_fused_pass_only_when_gradient_is_value_independent(model_path, tmp_path):
     _, default = train(model_path, tmp_path / "a", True, max_steps=1)
-    assert default._tree_step.fused_ok and _logged(default)[-1]["tree/score_time"] == 0.0
+    assert default.forkrl.tree().fused_ok and _logged(default)[-1]["tree/score_time"] == 0.0
     _, beta = train(model_path, tmp_path / "b", True, max_steps=1, beta=0.1)
     assert _logged(beta)[-1]["tree/score_time"] > 0.0  # KL reads the log-probs: scoring pass first
 
@@ -219,7 +216,7 @@ def test_fused_probe_catches_value_dependent_loss(model_path, init, tmp_path, mo
     monkeypatch.setattr(ftrl.GRPOTrainer, "_coefficients_constant", lambda self, window: True)
     stock, st = train(model_path, tmp_path / "s", False, beta=0.5)
     tree, tt = train(model_path, tmp_path / "t", True, beta=0.5)
-    assert not tt._tree_step.fused_ok
+    assert not tt.forkrl.tree().fused_ok
     assert_same_run(stock, tree, init, st, tt)
 
 
@@ -249,67 +246,50 @@ def test_reward_rises_end_to_end(tmp_path):
 
 
 # ---------------------------------------------------------------------- data parallel
-_DP_SCRIPT = """
-import sys
-sys.path.insert(0, {repo!r})
-from pathlib import Path
-import torch
-from datasets import Dataset
-from tests.trl.trl_helpers import prompt_dataset, train
-mode, out = sys.argv[1], Path(sys.argv[2])
-kw = {{}}
-if len(sys.argv) > 4:  # skewed: long and short prompts (two whole groups per micro-batch and rank)
-    long, short = prompt_dataset(8, long=40)["prompt"], prompt_dataset(8)["prompt"]
-    kw = dict(dataset=Dataset.from_dict({{"prompt": [p for pair in zip(long, short) for p in pair]}}))
-    if mode == "tree":
-        kw["tree_balance"] = sys.argv[4]
-params, tr = train({model!r}, out / mode, mode == "tree", per_device_train_batch_size=int(sys.argv[3]), max_steps=2, **kw)
-if tr.accelerator.is_main_process:
-    torch.save(params, out / (mode + ".pt"))
-    print("WORLD", tr.accelerator.num_processes, tr.accelerator.distributed_type)
+def _dp_train(model: str, out: Path, mode: str, per_device: int, balance: str | None = None) -> dict | None:
+    """Train ``mode`` ("tree": the plugin, "stock": TRL) for two steps on this process's ranks; with
+    ``balance``, on skewed prompts (long and short: two whole groups per micro-batch and rank), and
+    the plugin with ``tree_balance=balance``. The main process returns its parameters, world and
+    balance log; the others None."""
+    from datasets import Dataset
+
+    kw = {}
+    if balance is not None:
+        long, short = prompt_dataset(8, long=40)["prompt"], prompt_dataset(8)["prompt"]
+        kw = dict(
+            dataset=Dataset.from_dict({"prompt": [p for pair in zip(long, short, strict=True) for p in pair]})
+        )
+        if mode == "tree":
+            kw["tree_balance"] = balance
+    params, tr = train(
+        model, out / mode, mode == "tree", per_device_train_batch_size=per_device, max_steps=2, **kw
+    )
+    if not tr.accelerator.is_main_process:
+        return None
     moved = [h["tree/balance_moved_rows"] for h in tr.state.log_history if "tree/balance_moved_rows" in h]
-    print("MOVED", sum(moved), len(moved))
-from forkrl.core.testing.ranks import finish
-finish()
-"""
+    return {
+        "params": params,
+        "world": tr.accelerator.num_processes,
+        "type": str(tr.accelerator.distributed_type),
+        "moved": moved,
+    }
 
 
 def test_data_parallel_two_processes_equals_one(model_path, init, tmp_path):
-    script = tmp_path / "dp.py"
-    script.write_text(_DP_SCRIPT.format(repo=str(REPO), model=model_path))
-    env = clean_env(OMP_NUM_THREADS="1")
-    dp = torchrun(script, "tree", tmp_path, 2)
-    assert "WORLD 2 DistributedType.MULTI_CPU" in dp.stdout
-    one = subprocess.run(
-        [sys.executable, str(script), "stock", str(tmp_path), "4"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert one.returncode == 0, one.stderr[-3000:]
-    tree, stock = torch.load(tmp_path / "tree.pt"), torch.load(tmp_path / "stock.pt")
-    assert relative_difference(tree, stock, init) < TOL
+    dp = run_on_ranks(_dp_train, 2, model_path, tmp_path, "tree", 2, init_group=False)[0]
+    assert (dp["world"], dp["type"]) == (2, "DistributedType.MULTI_CPU"), dp["type"]
+    one = run_in_subprocess(_dp_train, model_path, tmp_path, "stock", 4)
+    assert relative_difference(dp["params"], one["params"], init) < TOL
 
 
 def test_tree_balance_moves_rows_and_keeps_the_update(model_path, init, tmp_path):
     """Two ranks holding long- and short-prompt groups: tree_balance moves rows between them (logged)
     and the parameters still equal stock TRL in one process on the same rollouts."""
-    script = tmp_path / "dp.py"
-    script.write_text(_DP_SCRIPT.format(repo=str(REPO), model=model_path))
-    dp = torchrun(script, "tree", tmp_path, 8, "on")
-    moved, steps = (float(x) for x in dp.stdout.split("MOVED")[1].split()[:2])
-    assert steps == 2 and moved > 0, dp.stdout[-2000:]
-    one = subprocess.run(
-        [sys.executable, str(script), "stock", str(tmp_path), "16", "on"],
-        capture_output=True,
-        text=True,
-        env=clean_env(OMP_NUM_THREADS="1"),
-        timeout=600,
-    )
-    assert one.returncode == 0, one.stderr[-3000:]
-    tree, stock = torch.load(tmp_path / "tree.pt"), torch.load(tmp_path / "stock.pt")
-    assert relative_difference(tree, stock, init) < TOL
+    dp = run_on_ranks(_dp_train, 2, model_path, tmp_path, "tree", 8, "on", init_group=False)[0]
+    moved, steps = sum(dp["moved"]), len(dp["moved"])
+    assert steps == 2 and moved > 0, dp["moved"]
+    one = run_in_subprocess(_dp_train, model_path, tmp_path, "stock", 16, "on")
+    assert relative_difference(dp["params"], one["params"], init) < TOL
 
 
 def test_tree_balance_refuses_a_composition_dependent_loss(model_path, tmp_path):
