@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from forkrl.core.speculative import SpeculationPolicy, SpeculativeOptions
-from forkrl.core.speculative.vllm_engine import spec_counters, spec_decode_metrics, vllm_speculative_config
 from forkrl.plugins.vllm import DENSE_CPU
+from forkrl.plugins.vllm.speculative import spec_counters, spec_decode_metrics, vllm_speculative_config
 
 __all__ = ["METHODS", "run"]
 

@@ -2,13 +2,16 @@
 
 - :mod:`.accept`: the acceptance math (rejection sampling, greedy verification) and logits warping.
 - :mod:`.policy`: the cost model and :class:`SpeculationPolicy` (when to speculate, how far).
-- :mod:`.hf`: :class:`SpeculativeSampler`, the Hugging Face engine (ragged caches, batching).
+- :mod:`.hf`: :class:`SpeculativeSampler`, the Hugging Face engine (the speculative loop, batching).
+- :mod:`.ragged`: the ragged-batch forward it runs (fixed-capacity caches, a write column per row)
+  and its timing for the cost model.
 - :mod:`.stats`: :class:`SpeculativeStats` (the ``spec/*`` metrics) and :class:`SpeculativeOutput`.
 - :mod:`.options`: :class:`SpeculativeOptions`, every host's flags, defined once.
 - :mod:`.rollout`: :class:`SelfSpeculativeRollout`, the drafter kept in step with the policy.
-- :mod:`.vllm_engine`: vLLM's ``speculative_config`` for forkrl's drafter (one engine per host) and
-  the ``spec/*`` figures from vLLM's counters. forkrl's vLLM plugin itself (the quantization as vLLM
-  methods, the drafter re-synced after each weight load) is :mod:`forkrl.plugins.vllm`.
+
+vLLM's ``speculative_config`` for forkrl's drafter and the ``spec/*`` figures from vLLM's counters
+are the vLLM plugin's (:mod:`forkrl.plugins.vllm.speculative`), beside the quantization as vLLM
+methods and the drafter re-synced after each weight load.
 """
 
 from ..quant import Drafter

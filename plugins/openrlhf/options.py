@@ -19,8 +19,8 @@ from typing import Any
 
 from forkrl.core.options import add_arguments
 from forkrl.core.speculative import SpeculativeOptions
-from forkrl.core.speculative.vllm_engine import check_engine_policy
 from forkrl.core.train import TreeOptions
+from forkrl.plugins.vllm.speculative import check_engine_policy
 
 from ..models import missing_model, no_such_model
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from forkrl.core.speculative import SpeculativeOptions
-from forkrl.core.speculative.vllm_engine import spec_counters, spec_decode_metrics, vllm_speculative_config
+from forkrl.plugins.vllm.speculative import spec_counters, spec_decode_metrics, vllm_speculative_config
 
 from . import compat
 
@@ -72,7 +72,7 @@ def speculative_trainer(trainer_class: Any) -> Any:
     a ``BasePPOTrainer``) logging ``spec/*`` each step.
 
     Its ``_compute_rollout_stats`` (run once per training step, on the step's rollout) adds
-    :func:`~forkrl.core.speculative.vllm_engine.spec_decode_metrics` of the engines' summed counters
+    :func:`~forkrl.plugins.vllm.speculative.spec_decode_metrics` of the engines' summed counters
     since the previous step (an evaluation's rollouts in between count toward the next step; with
     ``--train.async_enable``, whatever the engines drafted while the step trained).
     """

@@ -19,8 +19,8 @@ from trl import GRPOConfig as _TRLGRPOConfig
 from trl import RLOOConfig as _TRLRLOOConfig
 
 from forkrl.core.speculative import SpeculativeOptions
-from forkrl.core.speculative.vllm_engine import check_engine_policy
 from forkrl.core.train import TreeOptions
+from forkrl.plugins.vllm.speculative import check_engine_policy
 
 __all__ = ["FORKRL_FIELDS", "ForkrlOptions", "GRPOConfig", "RLOOConfig"]
 

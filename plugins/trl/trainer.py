@@ -41,8 +41,8 @@ from forkrl.core.balance import OnlineCostModel, forest_stats
 from forkrl.core.executor import Image, RouterLoss, images_from
 from forkrl.core.executor.vision import check_model as check_vision_model
 from forkrl.core.speculative import SelfSpeculativeRollout, check_drafter
-from forkrl.core.speculative.vllm_engine import spec_decode_metrics
 from forkrl.core.train import AliasReplica, StepMetrics, StepResult, is_fsdp2
+from forkrl.plugins.vllm.speculative import spec_decode_metrics
 
 from ..deepspeed import gathered as deepspeed_gathered
 from ..models import missing_model, no_such_model

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from forkrl.core.options import add_arguments
 from forkrl.core.speculative import SpeculativeOptions
-from forkrl.core.speculative.vllm_engine import vllm_speculative_config
+from forkrl.plugins.vllm.speculative import vllm_speculative_config
 
 __all__ = ["PROG", "flag_parser", "main", "server_command"]
 

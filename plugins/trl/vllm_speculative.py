@@ -1,7 +1,7 @@
 """``speculative_rollout`` with ``use_vllm=True``: TRL's vLLM engine drafts with forkrl's quantized policy.
 
 - colocate: the engine TRL builds in the trainer's process gets forkrl's ``speculative_config``
-  (:func:`forkrl.core.speculative.vllm_engine.vllm_speculative_config`, for the model and
+  (:func:`forkrl.plugins.vllm.speculative.vllm_speculative_config`, for the model and
   tensor-parallel size TRL passes) and ``disable_log_stats=False`` (vLLM counts drafts only then).
   With ``speculative_policy='auto'`` forkrl first times the policy and its drafter on this device
   (the cost model of the transformers path) and hands vLLM the draft length per batch size
@@ -11,7 +11,7 @@
   server's: ``python -m forkrl.plugins.trl.vllm_serve`` starts it with forkrl's (:mod:`.vllm_serve`).
 
 Either way the drafter is re-synced inside vLLM's worker after every ``sync_weights`` (forkrl's
-vLLM plugin, :class:`~forkrl.core.speculative.vllm_engine.DrafterMirror`); the trainer only reads
+vLLM plugin, :class:`~forkrl.plugins.vllm.speculative.DrafterMirror`); the trainer only reads
 vLLM's counters around each generation into ``spec/*`` metrics.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 from torch import nn
 
 from forkrl.core.speculative import SelfSpeculativeRollout
-from forkrl.core.speculative.vllm_engine import spec_counters, vllm_speculative_config
+from forkrl.plugins.vllm.speculative import spec_counters, vllm_speculative_config
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 vLLM loads :func:`register` in every engine and worker process (entry point
 ``vllm.general_plugins``; forkrl must be installed where vLLM runs). It registers forkrl's
 round-to-nearest drafter quantization under the names of
-:data:`forkrl.core.speculative.vllm_engine.QUANT_METHODS` (:mod:`.quant`) and wraps the model
+:data:`forkrl.plugins.vllm.speculative.QUANT_METHODS` (:mod:`.quant`) and wraps the model
 runners' ``load_model`` (the GPU runner's, and the CPU runner's, which overrides it) so that a
 runner whose draft model uses one of them gets a
 :class:`~.mirror.DrafterMirror` (:mod:`.mirror`): every host syncs new weights into vLLM's target
@@ -11,7 +11,7 @@ model only (TRL's ``sync_weights``, OpenRLHF's ``WorkerWrap``, veRL's ``update_w
 vLLM's own weight transfer), and the mirror re-quantizes them into the drafter before its next
 draft, so the drafter is always the quantized current policy. Without a forkrl drafter nothing
 changes. The hosts' flags build the engine's ``speculative_config``
-(:func:`forkrl.core.speculative.vllm_engine.vllm_speculative_config`).
+(:func:`forkrl.plugins.vllm.speculative.vllm_speculative_config`).
 
 Checked against vLLM 0.29.0 (``tests/openrlhf/test_vllm_drafter.py::test_contract``).
 """

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from forkrl.core.speculative.vllm_engine import QUANT_METHODS
+from forkrl.plugins.vllm.speculative import QUANT_METHODS
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
 from forkrl.core.quant import QuantLinear, check_quantizable
-from forkrl.core.speculative.vllm_engine import QUANT_METHODS
+from forkrl.plugins.vllm.speculative import QUANT_METHODS
 
 logger = logging.getLogger(__name__)
 

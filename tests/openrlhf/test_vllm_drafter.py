@@ -26,8 +26,8 @@ pytest.importorskip("vllm")
 
 from forkrl.core.quant import QuantLinear  # noqa: E402
 from forkrl.core.speculative import SpeculativeOptions  # noqa: E402
-from forkrl.core.speculative import vllm_engine as ve  # noqa: E402
 from forkrl.plugins import vllm as fv  # noqa: E402
+from forkrl.plugins.vllm import speculative as ve  # noqa: E402
 
 LAYER = "model.layers.{i}.{part}"
 HF_PARTS = {  # vLLM's fused layers -> the Hugging Face weights stacked into them, in order

@@ -70,7 +70,7 @@ def engine(path: str, speculative: bool, bits: int = 4, **engine_args):
     from vllm import LLM
 
     from forkrl.core.speculative import SpeculativeOptions
-    from forkrl.core.speculative.vllm_engine import vllm_speculative_config
+    from forkrl.plugins.vllm.speculative import vllm_speculative_config
 
     spec = None
     if speculative:
@@ -93,7 +93,7 @@ def generate(llm) -> tuple[list[list[int]], dict[str, float]]:
     """Greedy completions of :data:`PROMPTS` and the speculative counters this call added."""
     from vllm import SamplingParams
 
-    from forkrl.core.speculative.vllm_engine import spec_counters
+    from forkrl.plugins.vllm.speculative import spec_counters
 
     before = spec_counters(llm.get_metrics())
     out = llm.generate(

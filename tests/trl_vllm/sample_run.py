@@ -18,7 +18,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def main() -> None:
-    from forkrl.core.speculative.vllm_engine import spec_counters
+    from forkrl.plugins.vllm.speculative import spec_counters
     from tests.openrlhf import vllm_cpu_engine as run
 
     mode, out = sys.argv[1], Path(sys.argv[2])

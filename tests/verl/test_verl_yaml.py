@@ -265,7 +265,7 @@ def test_speculative_yaml_passes_forkrls_drafter_to_vllm(name, model_path):
     from verl.utils.config import omega_conf_to_dataclass, validate_config
 
     from forkrl.core.speculative import SpeculativeOptions
-    from forkrl.core.speculative.vllm_engine import vllm_speculative_config
+    from forkrl.plugins.vllm.speculative import vllm_speculative_config
 
     cfg = _compose(name, model_path, ["actor_rollout_ref.rollout.tensor_model_parallel_size=1"])
     validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))

@@ -1,4 +1,4 @@
-"""The vLLM engine of self-speculative rollouts, engine-neutral half: the drafter's config and its figures.
+"""The vLLM engine of self-speculative rollouts, host-neutral half: the drafter's config and its figures.
 
 vLLM drafts with a separate model (``speculative_config={"method": "draft_model", ...}``); here
 that model is the policy itself, quantized by forkrl's round-to-nearest method (registered in vLLM
@@ -11,8 +11,8 @@ without a re-sync the drafter drifts from the first update on.
 The re-sync lives in vLLM's worker and needs no host hook: :mod:`forkrl.plugins.vllm` is a vLLM
 plugin (entry point ``vllm.general_plugins``, loaded in every vLLM process) that registers the
 quantization names below and keeps each forkrl drafter equal to the quantized weights its target
-has just loaded. This module imports nothing of vLLM: hosts build the config and read the figures
-with it in processes that never start an engine.
+has just loaded (:mod:`.mirror`, :mod:`.quant`). This module imports nothing of vLLM: hosts build the
+config and read the figures with it in processes that never start an engine.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from ..quant import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES
-from .options import SpeculativeOptions
+from forkrl.core.quant import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES
+from forkrl.core.speculative import SpeculativeOptions
 
 __all__ = [
     "QUANT_METHODS",
