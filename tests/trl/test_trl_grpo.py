@@ -205,7 +205,7 @@ def test_keyword_shortcut_and_metrics(model_path, tmp_path):
 
 def test_fused_pass_only_when_gradient_is_value_independent(model_path, tmp_path):
     _, default = train(model_path, tmp_path / "a", True, max_steps=1)
-    assert default.forkrl.tree().fused_ok and _logged(default)[-1]["tree/score_time"] == 0.0
+    assert default._tree_step.fused_ok and _logged(default)[-1]["tree/score_time"] == 0.0
     _, beta = train(model_path, tmp_path / "b", True, max_steps=1, beta=0.1)
     assert _logged(beta)[-1]["tree/score_time"] > 0.0  # KL reads the log-probs: scoring pass first
 
@@ -216,7 +216,7 @@ def test_fused_probe_catches_value_dependent_loss(model_path, init, tmp_path, mo
     monkeypatch.setattr(ftrl.GRPOTrainer, "_coefficients_constant", lambda self, window: True)
     stock, st = train(model_path, tmp_path / "s", False, beta=0.5)
     tree, tt = train(model_path, tmp_path / "t", True, beta=0.5)
-    assert not tt.forkrl.tree().fused_ok
+    assert not tt._tree_step.fused_ok
     assert_same_run(stock, tree, init, st, tt)
 
 
