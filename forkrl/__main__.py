@@ -19,11 +19,13 @@ from collections.abc import Callable
 #: Per host: its stock micro-batch in tokens is not known here, but these are its defaults that
 #: change the estimate: no-grad scoring passes per step (veRL and OpenRLHF score the old and the
 #: reference log-probs; TRL's defaults, beta=0 and one iteration, score neither) and gradient
-#: checkpointing (on by default in TRL's and veRL's configs, off in OpenRLHF's).
+#: checkpointing (on by default in TRL's and veRL's configs, off in OpenRLHF's); and the columns a
+#: prompt is looked for in, by the host's dataset convention (OpenRLHF's ``--data.input_key``
+#: defaults to ``input``; TRL's and veRL's datasets carry ``prompt``).
 HOST_DEFAULTS = {
-    "trl": {"score_passes": 0, "gradient_checkpointing": True},
-    "verl": {"score_passes": 2, "gradient_checkpointing": True},
-    "openrlhf": {"score_passes": 2, "gradient_checkpointing": False},
+    "trl": {"score_passes": 0, "gradient_checkpointing": True, "prompt_keys": ("prompt",)},
+    "verl": {"score_passes": 2, "gradient_checkpointing": True, "prompt_keys": ("prompt",)},
+    "openrlhf": {"score_passes": 2, "gradient_checkpointing": False, "prompt_keys": ("input", "prompt")},
 }
 #: Models up to this many parameters are timed on this machine under ``--price auto``.
 FIT_MAX_PARAMS = 60_000_000
@@ -267,9 +269,8 @@ def _pricing(args, config, workload, options):
 
 def _workload(args, config, tokenizer):
     from forkrl.core.estimate import load_rows, read_workload
-    from forkrl.core.estimate.workload import PROMPT_KEYS
 
-    keys = (args.prompt_key,) if args.prompt_key else PROMPT_KEYS[args.host]
+    keys = (args.prompt_key,) if args.prompt_key else HOST_DEFAULTS[args.host]["prompt_keys"]
     logged = args.rollouts is not None
     try:
         rows = load_rows(

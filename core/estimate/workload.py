@@ -40,8 +40,8 @@ __all__ = [
     "read_workload",
 ]
 
-#: Where a prompt is looked for in a row, by host (their dataset conventions), then the others.
-PROMPT_KEYS = {"trl": ("prompt",), "verl": ("prompt",), "openrlhf": ("input", "prompt")}
+#: Token-id columns read before the prompt columns the caller names (``python -m forkrl estimate``
+#: names them by host).
 ID_KEYS = ("prompt_ids", "input_ids")
 COMPLETION_KEYS = ("completion_ids", "completion", "response", "output")
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
