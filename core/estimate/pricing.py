@@ -48,7 +48,7 @@ from ..balance.cost import CostModel, PieceStats
 from ..balance.plan import forest_stats
 from ..errors import UnsupportedModelError
 from ..executor import TreeExecutor
-from ..testing.memory import SavedBytes
+from ..memory import SavedBytes
 from .workload import Step, dense_stats, micro_batches, tree_peaks
 
 __all__ = [

@@ -2,13 +2,14 @@
 
 - :mod:`.precision`: :class:`Float64Mode` (true float64 despite transformers' float32 casts),
   :class:`Bf16Rounding` (the bf16 criterion of the precision tests).
-- :mod:`.memory`: :class:`SavedBytes` (autograd's saved-tensor peak), :func:`peak_rss_bytes`.
+- :class:`SavedBytes` (autograd's saved-tensor peak), :func:`peak_rss_bytes`: re-exported from the
+  product module :mod:`forkrl.core.memory` (the estimator measures with them).
 - :mod:`.models`: tiny model and tokenizer builders, and the plain computation to compare with.
 - :mod:`.ranks`: multi-process runs (:func:`~.ranks.run_on_ranks`: a function on N gloo ranks,
   results as data; :func:`~.ranks.torchrun` for a host launcher's script, :func:`~.ranks.finish`).
 """
 
-from .memory import SavedBytes, peak_rss_bytes
+from ..memory import SavedBytes, peak_rss_bytes
 from .precision import Bf16Rounding, Float64Mode
 
 __all__ = ["Bf16Rounding", "Float64Mode", "SavedBytes", "peak_rss_bytes"]

@@ -1,4 +1,9 @@
-"""Deterministic memory meters for benchmarks and tests."""
+"""Deterministic memory meters: autograd's saved-tensor peak and the process's peak resident memory.
+
+A product module, not test support: ``forkrl estimate`` prices each path's held activations with
+:class:`SavedBytes` (:mod:`forkrl.core.estimate.pricing`); benchmarks and tests use the same meters
+(re-exported by :mod:`forkrl.core.testing`).
+"""
 
 from __future__ import annotations
 
