@@ -258,8 +258,8 @@ def build(model_type: str, class_name: str, dtype):
 def check(model, dtype) -> dict[str, dict]:
     from forkrl.core import PrefixForest
     from forkrl.core.testing import Float64Mode
+    from forkrl.core.testing.forests import grpo_group
     from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err
-    from tests.core.forests import grpo_group
 
     seqs, sf = grpo_group(vocab=61)
     g = torch.Generator().manual_seed(3)
@@ -308,8 +308,8 @@ def check_bf16(model, weights: bool) -> dict[str, dict]:
 
     from forkrl.core import PrefixForest
     from forkrl.core.testing import Bf16Rounding
+    from forkrl.core.testing.forests import deep_tree, grpo_group
     from forkrl.core.testing.models import grads
-    from tests.core.forests import deep_tree, grpo_group
 
     # The batch of tests/core/test_precision.py: a GRPO group and a deep multi-turn tree, so that the
     # bf16 gap is measured over enough tokens to be stable.

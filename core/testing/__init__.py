@@ -5,6 +5,8 @@
 - :class:`SavedBytes` (autograd's saved-tensor peak), :func:`peak_rss_bytes`: re-exported from the
   product module :mod:`forkrl.core.memory` (the estimator measures with them).
 - :mod:`.models`: tiny model and tokenizer builders, and the plain computation to compare with.
+- :mod:`.forests`: batches of token sequences with the sharing patterns forkrl must handle (GRPO
+  groups, deep trees), for tests, benchmarks and the GPU checks.
 - :mod:`.ranks`: multi-process runs (:func:`~.ranks.run_on_ranks`: a function on N gloo ranks,
   results as data; :func:`~.ranks.torchrun` for a host launcher's script, :func:`~.ranks.finish`).
 """

@@ -228,9 +228,9 @@ def stage_exactness(ctx) -> dict:
     import torch
 
     from forkrl.core import PrefixForest, TreeExecutor
+    from forkrl.core.testing.forests import deep_tree, grpo_group
     from forkrl.core.testing.models import dense_logprobs
     from forkrl.core.testing.models import tiny_causal_lm as make_model
-    from tests.core.forests import deep_tree, grpo_group
 
     dev = ctx.device
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -481,9 +481,9 @@ def stage_precision(ctx) -> dict:
 
     from forkrl.core import PrefixForest, TreeExecutor
     from forkrl.core.testing import Bf16Rounding
+    from forkrl.core.testing.forests import deep_tree, grpo_group
     from forkrl.core.testing.models import dense_logprobs
     from forkrl.core.testing.models import tiny_causal_lm as make_model
-    from tests.core.forests import deep_tree, grpo_group
 
     dev = ctx.device
     a, fa = grpo_group(seed=3, group=6)

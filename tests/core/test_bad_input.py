@@ -12,10 +12,9 @@ from forkrl.core import PrefixForest, TreeExecutor, TreeOptions
 from forkrl.core.objective import backward_loss
 from forkrl.core.speculative import Drafter, SpeculativeOptions, SpeculativeSampler
 from forkrl.core.testing import Float64Mode
+from forkrl.core.testing.forests import grpo_group
 from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err
 from forkrl.core.testing.models import tiny_causal_lm as make_model
-
-from .forests import grpo_group
 
 
 def _setup(dtype=torch.float64):

@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from forkrl.core import PrefixForest, TreeExecutor
+from forkrl.core.testing.forests import deep_tree, grpo_group
 from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err
 from forkrl.core.testing.models import tiny_causal_lm as make_model
-
-from .forests import deep_tree, grpo_group
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -9,10 +9,9 @@ import torch
 
 from forkrl.core import PrefixForest, TreeExecutor, UnsupportedModelError
 from forkrl.core.testing import Float64Mode
+from forkrl.core.testing.forests import FORESTS, deep_tree, grpo_group
 from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err
 from forkrl.core.testing.models import tiny_causal_lm as make_model
-
-from .forests import FORESTS, deep_tree, grpo_group
 
 TOL = 1e-10
 

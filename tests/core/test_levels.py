@@ -10,10 +10,9 @@ from forkrl.core import PrefixForest, TreeExecutor, compat
 from forkrl.core.attention import level
 from forkrl.core.executor import levels
 from forkrl.core.testing import Float64Mode, SavedBytes
+from forkrl.core.testing.forests import deep_tree, grpo_group
 from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err
 from forkrl.core.testing.models import tiny_causal_lm as make_model
-
-from .forests import deep_tree, grpo_group
 
 TOL = 1e-10
 

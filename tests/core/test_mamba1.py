@@ -16,10 +16,10 @@ import torch
 from forkrl.core import PrefixForest, TreeExecutor, UnsupportedModelError
 from forkrl.core.executor import scan
 from forkrl.core.testing import Float64Mode
+from forkrl.core.testing.forests import deep_tree, grpo_group
 from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err
 from forkrl.core.testing.models import tiny_causal_lm as make_model
 
-from .forests import deep_tree, grpo_group
 from .test_precision import check_follows_the_hosts_precision
 
 TOL = 1e-12

@@ -13,10 +13,9 @@ import torch
 from forkrl.core import PrefixForest, RowLayout, TreeExecutor, Window
 from forkrl.core.objective import TokenLocalCoefficients, backward_loss, pad, unpad
 from forkrl.core.testing import Float64Mode
+from forkrl.core.testing.forests import deep_tree, grpo_group, scored_shared
 from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err
 from forkrl.core.testing.models import tiny_causal_lm as make_model
-
-from .forests import deep_tree, grpo_group, scored_shared
 
 TOL = 1e-10
 LOSS_TOL = 1e-12

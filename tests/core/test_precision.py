@@ -26,10 +26,9 @@ import torch
 from forkrl.core import PrefixForest, TreeExecutor
 from forkrl.core.executor import RouterLoss
 from forkrl.core.testing import Bf16Rounding
+from forkrl.core.testing.forests import deep_tree, grpo_group
 from forkrl.core.testing.models import dense_logprobs, grads
 from forkrl.core.testing.models import tiny_causal_lm as make_model
-
-from .forests import deep_tree, grpo_group
 
 ZOO = ["llama-gqa", "qwen2", "qwen3", "gemma2", "qwen3moe", "lfm2"]
 PRECISIONS = ["autocast", "bf16"]

@@ -13,11 +13,10 @@ from hypothesis import strategies as st
 
 from forkrl.core import PrefixForest, TreeExecutor
 from forkrl.core.testing import Float64Mode
+from forkrl.core.testing.forests import FORESTS
 from forkrl.core.testing.models import TEST_VOCAB as VOCAB
 from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err
 from forkrl.core.testing.models import tiny_causal_lm as make_model
-
-from .forests import FORESTS
 
 TOL = 1e-10
 
