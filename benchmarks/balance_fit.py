@@ -24,6 +24,7 @@ from benchmarks.common import machine, print_table
 from forkrl.core import PrefixForest, RowLayout, TreeOptions, TreeStep
 from forkrl.core.balance import CostModel, PieceStats, trees_of_forest
 from forkrl.core.testing.models import SIZES, llama
+from forkrl.core.train import StepLoss
 
 SHAPES = [  # (groups, P, G, R)
     (1, 64, 2, 16),
@@ -66,7 +67,7 @@ def measure(model, shape, vocab: int, reps: int) -> tuple[PieceStats, float]:
     for rep in range(reps + 1):
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        step.train(model, [layout], loss_fn, loss_gradient="general", entropy=False)
+        step.train(model, [layout], StepLoss(loss_fn, entropy=False))
         if rep:  # the first is a warm-up
             times.append(time.perf_counter() - start)
     return stats, statistics.median(times)

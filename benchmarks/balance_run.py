@@ -47,6 +47,7 @@ def rank_main(args) -> None:
     from forkrl.core.balance import balance, evaluate, trees_of_forest
     from forkrl.core.testing.models import llama
     from forkrl.core.testing.ranks import finish, report
+    from forkrl.core.train import ParallelContext, StepLoss
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -77,7 +78,9 @@ def rank_main(args) -> None:
         model.zero_grad(set_to_none=True)
         dist.barrier()
         start = time.perf_counter()
-        res = step.train(model, [layout], loss_fn, loss_gradient="general", entropy=False, data_parallel=True)
+        res = step.train(
+            model, [layout], StepLoss(loss_fn, entropy=False), ParallelContext(average_gradients=True)
+        )
         own = time.perf_counter() - start
         wall = torch.tensor([own], dtype=torch.float64)
         dist.all_reduce(wall, op=dist.ReduceOp.MAX)

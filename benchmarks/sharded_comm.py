@@ -113,7 +113,7 @@ def rank_main(args) -> None:
         def loss_fn(i, lp, ent):
             return (lp[layouts[i].mask(lp.device)] * flat[i]).sum()
 
-        TreeStep(TreeOptions(tree_packing=True)).train(model, layouts, loss_fn, loss_gradient="general")
+        TreeStep(TreeOptions(tree_packing=True)).train(model, layouts, loss_fn)
 
     result = {"rank": rank, "model_bytes": params}
     for name, fn in (

@@ -1,7 +1,12 @@
 """The host-neutral training step every plugin calls (see :mod:`.step`).
 
 - :mod:`.options`: :class:`TreeOptions`, the tree-training flags of every host, defined once.
-- :mod:`.step`: :class:`TreeStep` (score, train), :class:`StepMetrics` (the ``tree/*`` figures).
+- :mod:`.step`: :class:`TreeStep` (score, train), its inputs (:class:`StepInputs`, :class:`StepLoss`)
+  and :class:`StepMetrics` (the ``tree/*`` figures).
+- :mod:`.runner`: :class:`TreeRunner`, the loop around the step every host repeats (balancing and its
+  cost model, router weights, images, an engine's hand-over, metrics), and the :class:`HostAdapter`
+  a host supplies.
+- :mod:`.parallel`: :class:`ParallelContext`, how a step relates to the host's other ranks.
 - :mod:`.distributed`: the data-parallel gradient average and cross-rank metrics.
 - :mod:`.sharded`: the step under FSDP2 (gather once into a plain replica, reduce once) and under
   engines that reduce through parameter hooks (DeepSpeed ZeRO 0-2: an aliasing replica).
@@ -9,8 +14,10 @@
 
 from .distributed import all_ok, all_reduce_gradients, gather_shares, share_micro_batches, world_size
 from .options import DEFAULT_BLOCK_SIZE, DEFAULT_REPLAY_THRESHOLD, TREE_MODES, TreeMode, TreeOptions
+from .parallel import ParallelContext
+from .runner import HostAdapter, RunResult, TreeRunner, router_value
 from .sharded import AliasReplica, FSDP2Replica, Gather, is_fsdp2, is_zero3
-from .step import MODE_CODES, StepMetrics, StepResult, TreeStep
+from .step import MODE_CODES, StepInputs, StepLoss, StepMetrics, StepResult, TreeStep
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -19,17 +26,24 @@ __all__ = [
     "FSDP2Replica",
     "MODE_CODES",
     "TREE_MODES",
-    "StepMetrics",
     "Gather",
+    "HostAdapter",
+    "ParallelContext",
+    "RunResult",
+    "StepInputs",
+    "StepLoss",
+    "StepMetrics",
     "StepResult",
     "TreeMode",
     "TreeOptions",
+    "TreeRunner",
     "TreeStep",
     "all_ok",
     "all_reduce_gradients",
     "gather_shares",
     "is_fsdp2",
     "is_zero3",
+    "router_value",
     "share_micro_batches",
     "world_size",
 ]

@@ -34,15 +34,63 @@ from ..objective import LossGradient, Quiet, WindowLoss, WindowResult, backward_
 from ..tree import PrefixForest, RowLayout, Window
 from .distributed import all_ok, all_reduce_gradients, reduce_stats
 from .options import TreeOptions
+from .parallel import ParallelContext
 from .sharded import AliasReplica, FSDP2Replica, Gather, is_fsdp2, is_zero3
 
-__all__ = ["MODE_CODES", "Images", "StepMetrics", "StepResult", "TreeStep"]
+__all__ = ["MODE_CODES", "Images", "StepInputs", "StepLoss", "StepMetrics", "StepResult", "TreeStep"]
 
 #: Per row of a window, its images in order (a vision-language model; empty for a text row).
 Images = Sequence[Sequence[Image]]
 
 #: ``tree/mode`` is logged as a number (hosts average metrics): keep 0, replay 1, packed 2.
 MODE_CODES = {mode: i for i, mode in enumerate(MODES)}
+
+
+@dataclass
+class StepInputs:
+    """One optimizer step's rows, as :meth:`TreeStep.train` takes them.
+
+    Attributes:
+        window: the step's micro-batches, each a :class:`RowLayout` of the host's rows.
+        images: per row of the window (in order), its images (a vision-language model: each
+            unique image through the vision tower once, :mod:`forkrl.core.executor.vision`).
+        token_types: per row, ``[T_i]`` which of its tokens are image placeholders (the
+            processor's ``mm_token_type_ids``; None: placeholders found by id).
+        router: the MoE router load-balancing loss, one weight per micro-batch (bound here to the
+            step's forest); the loss may read ``router.values()`` (:mod:`forkrl.core.executor.router`).
+    """
+
+    window: Window | Sequence[RowLayout]
+    images: Images | None = None
+    token_types: Sequence[torch.Tensor] | None = None
+    router: RouterLoss | None = None
+
+    @property
+    def layouts(self) -> Window:
+        """The micro-batches as one :class:`Window`."""
+        if not isinstance(self.window, Window):
+            self.window = Window(self.window)
+        return self.window
+
+
+@dataclass
+class StepLoss:
+    """The host's loss over one step, and what the bridge may assume about its gradient.
+
+    Attributes:
+        fn: ``(i, logprobs, entropies) -> scalar``: the host's loss of micro-batch ``i`` on tensors
+            of its layout, scaled as the host scales it before backward.
+        gradient: ``"constant"`` when the host knows its loss gradient cannot depend on the values
+            (probed before use; after one disagreement the step object stops trying),
+            ``"token_local"``, or ``"general"``.
+        entropy: the loss reads entropies.
+        quiet: a context in which ``fn`` has no side effects (for the probes).
+    """
+
+    fn: WindowLoss
+    gradient: LossGradient = "general"
+    entropy: bool = True
+    quiet: Quiet | None = None
 
 
 @dataclass
@@ -233,7 +281,7 @@ class TreeStep:
         replica = self._replica(model)
         with replica.gathered(grad=False) if replica is not None else contextlib.nullcontext(model) as target:
             executor = self.executor(target, self.score_mode)
-            vision, forest = _forest(target, window, images, grad=False, token_types=token_types)
+            vision, forest = _forest(target, StepInputs(window, images, token_types), grad=False)
             res = executor.score(forest, entropy=entropy, vision=vision)
             device = executor.device  # a replica's parameters are freed on exit
         lps = window.flat(res.logprobs)
@@ -247,53 +295,35 @@ class TreeStep:
     def train(
         self,
         model: nn.Module,
-        window: Window | Sequence[RowLayout],
-        loss_fn: WindowLoss,
-        loss_gradient: LossGradient = "general",
-        entropy: bool = True,
-        quiet: Quiet | None = None,
+        inputs: StepInputs | Window | Sequence[RowLayout],
+        loss: StepLoss | WindowLoss,
+        parallel: ParallelContext | None = None,
         gradient_checkpointing: bool = False,
-        data_parallel: bool = False,
-        process_group=None,
-        device: torch.device | str | None = None,
-        lockstep: bool = False,
-        router: RouterLoss | None = None,
-        images: Images | None = None,
-        token_types: Sequence[torch.Tensor] | None = None,
     ) -> StepResult:
         """Accumulate the exact gradient of one optimizer step's host loss into ``param.grad``.
 
         Args:
             model: the unwrapped module the host trains (a DDP wrapper's hooks would not fire).
-            window: the step's micro-batches, each a :class:`RowLayout` of the host's rows.
-            loss_fn: ``(i, logprobs, entropies) -> scalar``: the host's loss of micro-batch ``i``
-                on tensors of its layout, scaled as the host scales it before backward.
-            loss_gradient: ``"constant"`` when the host knows its loss gradient cannot depend on the
-                values (probed before use; after one disagreement this step object stops trying),
-                ``"token_local"``, or ``"general"``.
-            entropy: the loss reads entropies.
-            quiet: a context in which ``loss_fn`` has no side effects (for the probes).
+            inputs: the step's micro-batches and what comes with their rows (:class:`StepInputs`),
+                or just the micro-batches (a :class:`Window` or its :class:`RowLayout` list).
+            loss: the host's loss and how its gradient behaves (:class:`StepLoss`), or just its
+                function (a general gradient that reads entropies).
+            parallel: the host's ranks (:class:`ParallelContext`); None: a single process, leaves on
+                the model's device.
             gradient_checkpointing: the host's checkpointing flag (``tree_mode='auto'`` then replays).
-            data_parallel: average the gradients over ``process_group`` afterwards.
-            device: where the loss's leaves live (default: the model's).
-            lockstep: the host runs collectives over ``process_group`` after this step (an engine's
-                gradient reduction): a failure on any rank is raised on every rank first.
-            router: the MoE router load-balancing loss, one weight per micro-batch (bound here to
-                the step's forest); ``loss_fn`` may read ``router.values()`` (module
-                :mod:`forkrl.core.executor.router`).
-            images: per row of the window (in order), its images (a vision-language model: each
-                unique image through the vision tower once, :mod:`forkrl.core.executor.vision`).
-            token_types: per row, which of its tokens are image placeholders (:meth:`score_window`).
 
         Returns:
             :class:`StepResult`: the losses, this rank's metrics, the forest.
         """
-        window = window if isinstance(window, Window) else Window(window)
-        forest = window.forest() if images is None else None  # with images: built once they are prepared
+        inputs = inputs if isinstance(inputs, StepInputs) else StepInputs(inputs)
+        loss = loss if isinstance(loss, StepLoss) else StepLoss(loss)
+        parallel = parallel or ParallelContext()
+        window, router = inputs.layouts, inputs.router
+        forest = window.forest() if inputs.images is None else None  # with images: built once prepared
         if router is not None and forest is not None:
             router.bind(forest, window.rows)
         mode = self.options.mode_for(max(map(len, window.sequences)), gradient_checkpointing)
-        path = "general" if loss_gradient == "constant" and not self.fused_ok else loss_gradient
+        path = "general" if loss.gradient == "constant" and not self.fused_ok else loss.gradient
         replica = self._replica(model)
         if isinstance(replica, AliasReplica):
             raise ValueError(
@@ -308,8 +338,8 @@ class TreeStep:
 
             def run() -> WindowResult:
                 vision = None
-                if images is not None:  # inside the agreement: a bad image fails on every rank
-                    vision, built[0] = _forest(target, window, images, grad=True, token_types=token_types)
+                if inputs.images is not None:  # inside the agreement: a bad image fails on every rank
+                    vision, built[0] = _forest(target, inputs, grad=True)
                     if router is not None:
                         router.bind(built[0], window.rows)
                 with executor.images(vision):
@@ -317,42 +347,43 @@ class TreeStep:
                         executor,
                         built[0],
                         window,
-                        loss_fn,
+                        loss.fn,
                         path,
-                        entropy=entropy,
-                        quiet=quiet,
-                        device=device,
+                        entropy=loss.entropy,
+                        quiet=loss.quiet,
+                        device=parallel.device,
                         router=router,
                     )
 
             res = self._agreed(
                 run,
                 executor.device,
-                process_group,
-                collective=replica is not None or data_parallel or lockstep,
+                parallel.group,
+                collective=replica is not None or parallel.collective,
                 consequence="the model's sharded gradients are unchanged on every rank"
                 if replica is not None
                 else "this rank's param.grad holds its own part of the step, not reduced: zero the gradients "
                 "before retrying"
-                if data_parallel
+                if parallel.average_gradients
                 else "nothing was handed to the engine: its gradients are unchanged on every rank",
             )
         forest = built[0]
         if path == "constant" and res.path != "constant":
             self.fused_ok = False
-        if data_parallel and replica is None:
-            all_reduce_gradients(model.parameters(), group=process_group)
+        if parallel.average_gradients and replica is None:
+            all_reduce_gradients(model.parameters(), group=parallel.group)
         score_time, self._score_time = self._score_time + res.score_time, 0.0
         metrics = StepMetrics(forest.unique_tokens, forest.dense_tokens, mode, res.backward_time, score_time)
         return StepResult(res.losses, metrics, forest, res)
 
 
-def _forest(model: nn.Module, window: Window, images: Images | None, grad: bool, token_types=None):
-    """``(vision, forest)`` of a window: without images ``(None, window.forest())``; with them the
-    images prepared (:class:`VisionBatch`) and the forest built from its sequences."""
+def _forest(model: nn.Module, inputs: StepInputs, grad: bool):
+    """``(vision, forest)`` of a step's rows: without images ``(None, window.forest())``; with them
+    the images prepared (:class:`VisionBatch`) and the forest built from its sequences."""
+    window, images = inputs.layouts, inputs.images
     if images is None:
         return None, window.forest()
     if len(images) != len(window.sequences):
         raise ValueError(f"images for {len(images)} rows, but the window has {len(window.sequences)}")
-    vision = VisionBatch.prepare(model, window.sequences, images, grad=grad, token_types=token_types)
+    vision = VisionBatch.prepare(model, window.sequences, images, grad=grad, token_types=inputs.token_types)
     return vision, PrefixForest.build(vision.sequences, window.score_from)

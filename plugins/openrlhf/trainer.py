@@ -62,7 +62,16 @@ from forkrl.core import RowLayout, TreeStep, UnsupportedModelError
 from forkrl.core.balance import OnlineCostModel, forest_stats
 from forkrl.core.executor import Image, RouterLoss, images_from
 from forkrl.core.executor.vision import check_model as check_vision_model
-from forkrl.core.train import AliasReplica, all_ok, gather_shares, share_micro_batches, world_size
+from forkrl.core.train import (
+    AliasReplica,
+    ParallelContext,
+    StepInputs,
+    StepLoss,
+    all_ok,
+    gather_shares,
+    share_micro_batches,
+    world_size,
+)
 
 from ..deepspeed import gathered
 from . import compat
@@ -438,15 +447,10 @@ class TreeActorPPOTrainer(ActorPPOTrainer):
             with self._replica.gathered(grad=True) as plain, compat.ring_attention_off():
                 result = self.tree_step.train(
                     plain,
-                    layouts,
-                    loss_fn,
-                    loss_gradient="general",
-                    entropy=self.args.actor.entropy_coef is not None,
+                    StepInputs(layouts, images, router=router),
+                    StepLoss(loss_fn, entropy=self.args.actor.entropy_coef is not None),
+                    ParallelContext(device, lockstep=world_size() > 1),
                     gradient_checkpointing=bool(self.args.actor.gradient_checkpointing_enable),
-                    lockstep=world_size() > 1,
-                    device=device,
-                    router=router,
-                    images=images,
                 )
             # forkrl's own collectives (metrics, cost samples) come before DeepSpeed's backward below:
             # under ZeRO-3 its reduction may still be in flight when it returns, until the step, and a

@@ -5,7 +5,9 @@
 
 - :mod:`.config`: TRL's configs plus forkrl's options (core's ``TreeOptions`` and
   ``SpeculativeOptions``) and the rules only TRL's settings decide.
-- :mod:`.trainer`: the trainer subclasses, thin adapters over :class:`forkrl.core.train.TreeStep`.
+- :mod:`.trainer`: the trainer subclasses, each holding a :class:`forkrl.core.train.TreeRunner`.
+- :mod:`.host`: TRL's side of the tree loop (micro-batches to layouts, its loss on the leaves, DeepSpeed's
+  hand-over, its metrics sink).
 - :mod:`.balance`: ``tree_balance``, a window's rows moved between data-parallel ranks by tree cost.
 - :mod:`.vllm_speculative`: ``speculative_rollout`` with ``use_vllm``: the colocated engine's
   config and the ``spec/*`` counters.

@@ -5,16 +5,19 @@ Overrides (each delegates to TRL when its flag is off):
 - ``__init__``: accepts forkrl's options as keyword arguments (``tree_packing=True``, ...) and
   checks the configuration once.
 - ``training_step``: collects the prepared micro-batches of one optimizer step (generation,
-  rewards and advantages are TRL's own, unchanged) and at the last one hands them to
-  :class:`forkrl.core.train.TreeStep`: one forest, TRL's own ``compute_loss`` per micro-batch on
-  the tree's log-probs held as leaves, one depth-first backward. The update equals stock TRL's.
-- ``_get_per_token_logps_and_entropies``: serves those leaves inside the loss, and scores
-  old-policy and reference log-probs (no-grad calls) with the prefix-shared tree scorer.
+  rewards and advantages are TRL's own, unchanged) and at the last one hands them to the trainer's
+  :class:`forkrl.core.train.TreeRunner` (``self.forkrl``; TRL's side of it is
+  :class:`forkrl.plugins.trl.host.TRLHost`): one forest, TRL's own ``compute_loss`` per
+  micro-batch on the tree's log-probs held as leaves, one depth-first backward. The update equals
+  stock TRL's.
+- ``_get_per_token_logps_and_entropies``: serves those leaves inside the loss (they come as its
+  ``model`` argument, a :class:`~forkrl.plugins.trl.host.LeafModel`), and scores old-policy and
+  reference log-probs (no-grad calls) with the prefix-shared tree scorer.
 - ``_generate_single_turn`` (``speculative_rollout``): TRL's transformers generation through the
   exact self-speculative sampler (:class:`forkrl.core.speculative.SelfSpeculativeRollout`).
 
 Under DeepSpeed (ZeRO-2/3) the forest trains a replica aliasing the engine's module and the step's
-gradient reaches the engine through one backward (:meth:`TreeTrainingMixin._train_through_engine`).
+gradient reaches the engine through one backward (:meth:`forkrl.plugins.trl.host.TRLHost.hand_over`).
 
 Inherited unchanged: generation (without ``speculative_rollout``), rewards, advantages, TRL's loss
 code, logging, the optimizer step, checkpointing. What is TRL's and so lives here: which of its
@@ -25,98 +28,35 @@ fused pass), how leaves reach its loss, its refusals, its metrics sink.
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from trl import GRPOTrainer as _TRLGRPOTrainer
 from trl import RLOOTrainer as _TRLRLOOTrainer
 
-from forkrl.core import RowLayout, TreeStep, UnsupportedModelError
-from forkrl.core.balance import OnlineCostModel, forest_stats
-from forkrl.core.executor import Image, RouterLoss, images_from
+from forkrl.core import UnsupportedModelError
 from forkrl.core.executor.vision import check_model as check_vision_model
 from forkrl.core.speculative import SelfSpeculativeRollout, check_drafter
-from forkrl.core.train import AliasReplica, StepMetrics, StepResult, is_fsdp2
+from forkrl.core.train import TreeRunner, is_fsdp2
 from forkrl.plugins.vllm.speculative import spec_decode_metrics
 
 from ..deepspeed import gathered as deepspeed_gathered
 from ..models import missing_model, no_such_model
 from . import compat, vllm_speculative
-from .balance import balance_window, unsafe_reason
+from .balance import unsafe_reason
 from .config import FORKRL_FIELDS, GRPOConfig, RLOOConfig
+from .host import IMAGE_KEYS, LeafModel, TRLHost, layout, row_images, row_types
 
 __all__ = ["GRPOTrainer", "RLOOTrainer", "TreeTrainingMixin"]
 
 logger = logging.getLogger(__name__)
 
-# Inputs of vision-language batches; the tree takes images as _IMAGE_KEYS carry them.
-_MULTIMODAL_KEYS = (
-    "pixel_values",
-    "image_grid_thw",
-    "pixel_attention_mask",
-    "spatial_shapes",
-    "image_sizes",
-    "token_type_ids",
-    "mm_token_type_ids",
-    "image_position_ids",
-    "num_images",
-    "num_tiles",
-)
-# Qwen-VL family, LLaVA, LLaVA-NeXT (image_sizes), Gemma 3 (token_type_ids: its images attend both ways)
-_IMAGE_KEYS = (
-    "pixel_values",
-    "image_grid_thw",
-    "num_images",
-    "mm_token_type_ids",
-    "image_sizes",
-    "token_type_ids",
-)
 # Loss types whose gradient at ratio 1 (old log-probs = current, detached) is constant.
 _KNOWN_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-
-
-def _layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int) -> RowLayout:
-    """TRL's ``[left-padded prompt | right-padded completion]`` with ``[B, C]`` completion tensors."""
-    return RowLayout.padded(input_ids, attention_mask, int(width))
-
-
-def _row_images(inputs: dict, rows: int) -> list[list[Image]] | None:
-    """Per row, its images, from TRL's fields for a micro-batch; None without images. The Qwen-VL
-    family: ``pixel_values`` ``[patches, d]`` of all its images in order, ``image_grid_thw``
-    ``[images, 3]``; LLaVA: ``pixel_values`` ``[images, C, H, W]``; LLaVA-NeXT: ``pixel_values``
-    ``[images, crops, C, H, W]`` and ``image_sizes`` ``[images, 2]``; ``num_images`` per row."""
-    pixels, grid, counts = inputs.get("pixel_values"), inputs.get("image_grid_thw"), inputs.get("num_images")
-    sizes = inputs.get("image_sizes")
-    if pixels is None:
-        return None
-    if counts is None or len(counts) != rows or (grid is None and pixels.shape[0] != sum(counts)):
-        raise ValueError(
-            "tree_packing needs each row's image count (num_images) and each image's pixels (with image_grid_thw "
-            f"for the Qwen-VL family) for {rows} rows: turn tree_packing off for this model"
-        )
-    try:
-        per_image = images_from(pixels, grid, sizes)
-    except ValueError as err:
-        raise ValueError(f"{err}: turn tree_packing off for this model") from None
-    out, k = [], 0
-    for n in counts:
-        out.append(per_image[k : k + int(n)])
-        k += int(n)
-    return out
-
-
-def _row_types(inputs: dict, attention_mask: torch.Tensor) -> list[torch.Tensor] | None:
-    """Per row, ``mm_token_type_ids`` over its real tokens (TRL's are ``[B, T]`` like the ids, zeros
-    over the completion; a generated placeholder id is text), or None when TRL passes none."""
-    types = inputs.get("mm_token_type_ids")
-    if types is None:
-        return None
-    return [t[m.bool()].cpu() for t, m in zip(types, attention_mask, strict=True)]
 
 
 class TreeTrainingMixin:
@@ -144,13 +84,8 @@ class TreeTrainingMixin:
         elif options or not isinstance(config, self._config_class):
             config = self._config_class.from_trl(config, **options)
         arguments["args"] = config
-        self._tree_window: list[tuple[dict[str, Any], Any]] = []
-        self._tree_leaves: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
-        self._tree_step: TreeStep | None = None
-        # DeepSpeed: the tree's replica of the engine's module, whose gradient is handed to the engine.
-        self._engine_replica: AliasReplica | None = None
-        self._tree_balance = False
-        self._cost_model = OnlineCostModel()
+        # forkrl's tree training (None: off): the loop around the tree step, with TRL's side (host.py)
+        self.forkrl: TreeRunner | None = None
         self._spec_rollout: SelfSpeculativeRollout | None = None
         self._spec_vllm = bool(config.speculative_rollout and config.use_vllm)
         self._spec_warned = False
@@ -160,13 +95,19 @@ class TreeTrainingMixin:
                 stack.enter_context(compat.vllm_engine_kwargs(extra))
             super().__init__(**arguments)
         if config.tree_enabled:
-            # Under DeepSpeed ZeRO-3 the tree gathers the partitions with DeepSpeed's own context.
-            gather = deepspeed_gathered if getattr(self, "is_deepspeed_enabled", False) else None
+            host = TRLHost(self)
             # The tree's LM head as TRL's fused head computes it (add_fused_lm_head): logits in the compute
             # dtype, the gradient products summed in float32; in float32 with cast_lm_head_to_fp32.
             head = "fp32" if getattr(config, "cast_lm_head_to_fp32", False) else "fp32_accumulate"
-            self._tree_step = TreeStep(
-                config, temperature=self.temperature, gather=gather, head_precision=head
+            self.forkrl = TreeRunner(
+                config,
+                host,
+                temperature=self.temperature,
+                # DeepSpeed reduces through hooks on the parameters: the tree trains a replica aliasing
+                # them, gathered under ZeRO-3 with DeepSpeed's own context.
+                engine=host.engine,
+                gather=deepspeed_gathered if host.engine else None,
+                head_precision=head,
             )
             self._check_tree_setup()
         if config.speculative_rollout:
@@ -208,10 +149,7 @@ class TreeTrainingMixin:
                     "tree_packing/long_context_replay do not support DeepSpeed's fp16 loss scaling (fp16.enabled in "
                     "your DeepSpeed config): use bf16, or turn tree training off"
                 )
-            # DeepSpeed reduces through hooks on the parameters: the tree trains a replica aliasing them.
-            self._engine_replica = AliasReplica(
-                model, accumulate_dtype=torch.float32, gather=deepspeed_gathered
-            )
+            self.forkrl.replica(model)  # built once, here: a model it cannot alias is refused at setup
         if getattr(self, "is_fsdp_enabled", False) and not (
             is_fsdp2(model) or getattr(self.accelerator, "is_fsdp2", False)
         ):
@@ -219,10 +157,7 @@ class TreeTrainingMixin:
                 "tree_packing/long_context_replay support FSDP2 only, and this trainer built FSDP1: set fsdp_version: 2 "
                 "in your accelerate config (or fsdp_config={'version': 2, ...}), or turn tree training off"
             )
-        try:
-            self._tree_step.check_model(model)
-        except UnsupportedModelError as err:
-            raise err.for_host("turn tree_packing off") from err
+        self.forkrl.check_model(model, "turn tree_packing off")
         base = getattr(model, "get_base_model", lambda: model)()
         if getattr(getattr(base, "config", None), "position_embedding_type", None) == "absolute" or any(
             hasattr(m, name) for m in base.modules() for name in ("wpe", "embed_positions")
@@ -232,7 +167,7 @@ class TreeTrainingMixin:
                 "batch, so its log-probs depend on the padding and no tree can reproduce them; use a RoPE model, or "
                 "turn tree_packing off"
             )
-        self._tree_balance = self._balance_setting()
+        self.forkrl.host.balance = self._balance_setting()
         if self.args.gradient_checkpointing and self.args.tree_mode == "auto":
             logger.info(
                 "gradient_checkpointing=True: tree training runs in replay mode (blocks of %d tokens re-forwarded "
@@ -291,9 +226,10 @@ class TreeTrainingMixin:
         compute_aux_loss=False,
         **kwargs,
     ):
-        """TRL's method; inside a tree step it returns the tree's leaves, and no-grad calls are tree-scored."""
-        if self._tree_leaves is not None:
-            logps, entropies, aux = self._tree_leaves
+        """TRL's method; inside a tree step (``model`` is a :class:`LeafModel`) it returns the tree's leaves,
+        and no-grad calls are tree-scored."""
+        if isinstance(model, LeafModel):
+            logps, entropies, aux = model.logps, model.entropies, model.aux
             if tuple(logps.shape) != (input_ids.shape[0], logits_to_keep):
                 raise RuntimeError(
                     f"tree step: the loss asked for log-probs of shape {(input_ids.shape[0], logits_to_keep)} but the "
@@ -301,16 +237,15 @@ class TreeTrainingMixin:
                 )
             # The router loss's value (its gradient is the tree's: a constant here).
             return logps, (entropies if compute_entropy else None), (aux if compute_aux_loss else None)
-        other = [k for k, v in kwargs.items() if v is not None and k not in _IMAGE_KEYS]
-        if self._tree_step is not None and not torch.is_grad_enabled() and not compute_aux_loss and not other:
-            layout = _layout(input_ids, attention_mask, logits_to_keep)
+        other = [k for k, v in kwargs.items() if v is not None and k not in IMAGE_KEYS]
+        if self.forkrl is not None and not torch.is_grad_enabled() and not compute_aux_loss and not other:
             with self.accelerator.autocast():
-                lp, ent = self._tree_step.score(
+                lp, ent = self.forkrl.tree().score(
                     self._unwrapped(model),
-                    layout,
+                    layout(input_ids, attention_mask, logits_to_keep),
                     entropy=compute_entropy,
-                    images=_row_images(kwargs, input_ids.shape[0]),
-                    token_types=_row_types(kwargs, attention_mask),
+                    images=row_images(kwargs, input_ids.shape[0]),
+                    token_types=row_types(kwargs, attention_mask),
                 )
             return lp.to(input_ids.device), (ent.to(input_ids.device) if ent is not None else None), None
         return super()._get_per_token_logps_and_entropies(
@@ -326,19 +261,17 @@ class TreeTrainingMixin:
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """TRL's step when tree training is off; otherwise defers the micro-batch to the window's end."""
-        if self._tree_step is None:
+        if self.forkrl is None:
             return super().training_step(model, inputs, num_items_in_batch)
         time_before = time.perf_counter()
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
         inputs = self._prepare_inputs(inputs)
-        self._tree_window.append((inputs, num_items_in_batch))
+        window = self.forkrl.host.window
+        window.append((inputs, num_items_in_batch))
         compat.advance_micro_step(self)
-        if (
-            self.accelerator.sync_gradients
-            or len(self._tree_window) >= self.current_gradient_accumulation_steps
-        ):
+        if self.accelerator.sync_gradients or len(window) >= self.current_gradient_accumulation_steps:
             loss = self._tree_update(model)
         else:
             # The window's losses are returned, summed, by its last micro-batch (the logged total is the same).
@@ -406,95 +339,12 @@ class TreeTrainingMixin:
 
     # ------------------------------------------------------------------ the window's update
     def _tree_update(self, model) -> torch.Tensor:
-        window, self._tree_window = self._tree_window, []
-        balanced = None
-        if self._tree_balance:
-            device = window[0][0]["completion_ids"].device
-            model_cost = self._cost_model.model
-            window, balanced = balance_window(window, self._tokenizer.pad_token_id or 0, device, model_cost)
-        layouts, images, types = [], [], []
-        for inputs, _ in window:
-            present = [k for k in _MULTIMODAL_KEYS if k not in _IMAGE_KEYS and inputs.get(k) is not None]
-            if present:
-                raise ValueError(
-                    "tree_packing takes images as the Qwen-VL, LLaVA(-NeXT) and Gemma 3 processors give them "
-                    "(pixel_values, image_grid_thw, image_sizes, token_type_ids) but "
-                    f"the batch carries {present}: turn tree_packing off"
-                )
-            input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-            attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-            layouts.append(_layout(input_ids, attention_mask, inputs["completion_ids"].shape[1]))
-            images.extend(_row_images(inputs, input_ids.shape[0]) or [[] for _ in range(input_ids.shape[0])])
-            types.append(_row_types(inputs, attention_mask))
-        sync = self.accelerator.gradient_state.sync_gradients
-        router = RouterLoss([self._router_weight(n) for _, n in window]) if self.aux_loss_enabled else None
-
-        def loss_fn(i: int, logps: torch.Tensor, entropies: torch.Tensor | None) -> torch.Tensor:
-            inputs, num_items = window[i]
-            values = router.values() if router is not None else None
-            aux = (values[i] if values is not None else torch.zeros(())).to(logps.device, torch.float32)
-            self._tree_leaves = (logps, entropies, aux)
-            # TRL's loss does its once-per-optimizer-step work (adaptive entropy) on the last micro-batch.
-            try:
-                with (
-                    compat.sync_gradients(self, sync and i == len(window) - 1),
-                    self.compute_loss_context_manager(),
-                ):
-                    loss = self.compute_loss(model, inputs, num_items_in_batch=num_items)
-            finally:
-                self._tree_leaves = None
-            return self._scale_like_training_step(loss, num_items)
-
-        train = functools.partial(
-            self._tree_step.train,
-            window=layouts,
-            loss_fn=loss_fn,
-            loss_gradient="constant" if self._coefficients_constant(window) else "general",
-            entropy=True,
-            quiet=self._quiet,
-            gradient_checkpointing=self.args.gradient_checkpointing,
-            device=window[0][0]["completion_ids"].device,
-            router=router,
-            images=images if any(images) else None,
-            # the processor's token types where every micro-batch has them, else placeholders by id
-            token_types=[t for part in types for t in part] if any(images) and None not in types else None,
-        )
-        with self.accelerator.autocast():
-            if self._engine_replica is None:
-                result = train(self._unwrapped(model), data_parallel=self.accelerator.num_processes > 1)
-            else:
-                result = self._train_through_engine(train)
-        self._log_tree(result.metrics)
-        if balanced is not None:
-            sink = compat.metrics(self, "train")
-            sink["tree/balance_cost_fitted"].append(float(self._cost_model.fitted))
-            # Every rank's shape and time of this step: the next plans are priced by the refitted model.
-            measured = self._cost_model.observe(forest_stats(result.forest), result.metrics.backward_time)
-            for key, value in balanced.metrics(measured=measured).items():
-                sink[key].append(value)
-        return result.loss
-
-    def _train_through_engine(self, train: Callable[..., StepResult]) -> StepResult:
-        """DeepSpeed: the window's forest on a replica aliasing the engine's module (ZeRO-3: its
-        partitions gathered once), then its gradient through the engine once, as the window's last
-        micro-batch: what accelerate's DeepSpeed ``backward`` does (the accumulation boundary, the
-        engine's backward, its step), split so that the step runs after the partitions are released.
-        The earlier micro-batches ran no backward, so DeepSpeed reduces once per optimizer step."""
-        replica = self._engine_replica
-        engine = compat.deepspeed_engine(self)
-        sync = self.accelerator.sync_gradients
-        with replica.whole():
-            with replica.gathered(grad=True) as plain:
-                result = train(plain, lockstep=self.accelerator.num_processes > 1)
-            # accelerate's DeepSpeed backward, split: the engine's backward while the parameters are
-            # whole (ZeRO-3), its step after they are partitioned again. transformers' training_step
-            # turns off DeepSpeed's own scaling by the accumulation steps.
-            engine.set_gradient_accumulation_boundary(is_boundary=sync)
-            engine.backward(replica.gradient_surrogate(), scale_wrt_gas=False)
-        replica.clear()
-        if sync:
-            engine.step()
-        return result
+        """The window's micro-batches as one tree step (:meth:`TreeRunner.step`); returns their summed loss."""
+        host = self.forkrl.host
+        window, host.window, host.model = host.window, [], model
+        run = self.forkrl.step(self._unwrapped(model), window, self.args.gradient_checkpointing)
+        host.step_engine()
+        return run.loss
 
     def _scale_like_training_step(self, loss: torch.Tensor, num_items) -> torch.Tensor:
         # transformers' Trainer.training_step divides by the accumulation steps unless the loss says
@@ -536,11 +386,6 @@ class TreeTrainingMixin:
             for key, value in saved.items():
                 if getattr(self, key, None) is not value:
                     setattr(self, key, value)
-
-    def _log_tree(self, metrics: StepMetrics) -> None:
-        sink = compat.metrics(self, "train")
-        for key, value in metrics.reduced(self.accelerator.device).as_dict().items():
-            sink[key].append(value)
 
 
 class GRPOTrainer(TreeTrainingMixin, _TRLGRPOTrainer):

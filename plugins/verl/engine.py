@@ -49,7 +49,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from forkrl.core import RowLayout, TreeOptions, TreeStep, UnsupportedModelError
 from forkrl.core.balance import OnlineCostModel, forest_stats
 from forkrl.core.executor.vision import Image, images_from
-from forkrl.core.train import all_ok, share_micro_batches
+from forkrl.core.train import StepInputs, StepLoss, all_ok, share_micro_batches
 
 from . import compat
 from .balance import balance_mini_batch
@@ -183,11 +183,8 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
 
         result = step.train(
             self.module,
-            layouts,
-            loss_fn,
-            loss_gradient="general",
-            entropy=entropy,
-            images=images,
+            StepInputs(layouts, images),
+            StepLoss(loss_fn, entropy=entropy),
             # tree_mode auto replays under veRL's checkpointing (on in its default config)
             gradient_checkpointing=bool(self.model_config.enable_gradient_checkpointing),
         )

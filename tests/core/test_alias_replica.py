@@ -61,7 +61,7 @@ def test_alias_replica_hands_over_the_exact_gradient_without_firing_hooks(tied):
                 a.data_ptr() == b.data_ptr()
                 for a, b in zip(plain.parameters(), model.parameters(), strict=True)
             )
-            step.train(plain, [layout], loss_fn, loss_gradient="general")
+            step.train(plain, [layout], loss_fn)
         assert fired == [] and all(p.grad is None for p in model.parameters())
         replica.gradient_surrogate().backward()
         assert sorted(fired) == list(range(len(list(model.parameters()))))
@@ -89,7 +89,7 @@ def test_wider_accumulation_keeps_every_unit_once():
         model.train()
         replica = AliasReplica(model, accumulate_dtype=wide)
         with replica.gathered(grad=True) as plain:
-            TreeStep(TreeOptions(tree_packing=True)).train(plain, [layout], loss_fn, loss_gradient="general")
+            TreeStep(TreeOptions(tree_packing=True)).train(plain, [layout], loss_fn)
             if wide is not None:
                 assert all(p.grad is None for p in plain.parameters())  # moved into the wide buffers
         assert all(g.dtype == (wide or torch.float32) for g in replica.grads.values())

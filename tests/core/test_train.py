@@ -16,6 +16,7 @@ from forkrl.core import RowLayout, TreeOptions, TreeStep
 from forkrl.core.testing import Float64Mode
 from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err
 from forkrl.core.testing.models import tiny_causal_lm as make_model
+from forkrl.core.train import StepLoss
 
 TOL = 1e-10
 
@@ -107,7 +108,7 @@ def test_step_equals_plain_autograd_over_two_layouts(kind, path, expect, mode):
         model.zero_grad(set_to_none=True)
         opts = TreeOptions(tree_packing=True, tree_mode=mode, tree_block_size=3 if mode == "replay" else None)
         step = TreeStep(opts)
-        res = step.train(model, [lay_a, lay_b], loss_fn, loss_gradient=path, quiet=contextlib.nullcontext)
+        res = step.train(model, [lay_a, lay_b], StepLoss(loss_fn, path, quiet=contextlib.nullcontext))
     assert res.objective.path == expect
     assert step.fused_ok == (expect == "constant" or path != "constant")
     assert max_rel_err(grads(model), want) < TOL
@@ -139,7 +140,7 @@ def test_a_nan_advantage_stops_the_step_before_anything_is_accumulated():
 
     for path in ("constant", "general", "token_local"):
         with Float64Mode(), pytest.raises(ValueError, match="nothing was accumulated"):
-            TreeStep(TreeOptions(tree_packing=True)).train(model, [lay_a], loss_fn, loss_gradient=path)
+            TreeStep(TreeOptions(tree_packing=True)).train(model, [lay_a], StepLoss(loss_fn, path))
         assert all(p.grad is None for p in model.parameters())
 
 

@@ -238,6 +238,7 @@ def test_tree_step_trains_images_with_a_host_loss(gradient):
     rows of two micro-batches, images per row) equals the model's own forward; ``score_window``
     equals its log-probs."""
     from forkrl.core import RowLayout, TreeOptions, TreeStep
+    from forkrl.core.train import StepInputs, StepLoss
 
     sequences, images, score_from = _batch()
     split = [range(0, 4), range(4, len(sequences))]
@@ -279,7 +280,7 @@ def test_tree_step_trains_images_with_a_host_loss(gradient):
         model.zero_grad(set_to_none=True)
         step = TreeStep(TreeOptions(tree_packing=True))
         scored = step.score_window(model, layouts, images=images)
-        step.train(model, layouts, loss_fn, loss_gradient=gradient, entropy=False, images=images)
+        step.train(model, StepInputs(layouts, images), StepLoss(loss_fn, gradient, entropy=False))
         refs = [
             [_dense_logprobs_in_graph(model, sequences[i], images[i], score_from[i]).detach() for i in rows]
             for rows in split

@@ -59,7 +59,7 @@ def _three(run, path, tmp_path, **cfg):
         kw = dict(cfg) if bf16 else {k: v for k, v in cfg.items() if k != "model_init_kwargs"}
         params, trainer = run(path, tmp_path / label, forkrl, bf16=bf16, **kw)
         if forkrl:
-            assert trainer._tree_step is not None and trainer.args.bf16
+            assert trainer.forkrl is not None and trainer.args.bf16
         out.append(_update(params, init))
     return out
 

@@ -214,7 +214,7 @@ def test_a_vision_language_model_follows_bf16_autocast(tmp_path, kind):
     init, exact, _ = _train(tmp_path, forkrl=False, kind=kind, beta=0.04)
     _, stock, _ = _train(tmp_path / "bf16", forkrl=False, kind=kind, beta=0.04, bf16=True)
     _, tree, trainer = _train(tmp_path / "bf16", forkrl=True, kind=kind, beta=0.04, bf16=True)
-    assert trainer._tree_step is not None and trainer.args.bf16
+    assert trainer.forkrl is not None and trainer.args.bf16
     exact, stock, tree = update(exact, init), update(stock, init), update(tree, init)
     assert float((stock - exact).norm()) > 1e-4 * float(exact.norm()), "bf16 did not round anything"
     rounding = Bf16Rounding(kind, tree, stock, exact)
