@@ -276,18 +276,18 @@ def _exact_moe_and_state(dev, dtypes, out: dict) -> None:
     from forkrl.core.executor import RouterLoss
     from forkrl.core.testing.models import dense_logprobs
     from forkrl.core.testing.models import tiny_causal_lm as make_model
-    from tests.core.test_router import _stock, _window
+    from forkrl.core.testing.router import router_window, stock_router_losses
 
     for name, modes in (("qwen3moe", ("keep", "replay", "packed")), ("falconh1", ("keep", "replay"))):
         for dtype in dtypes:
             model = make_model(name, dtype=dtype).to(dev)
-            seqs, sf, rows = _window()
+            seqs, sf, rows = router_window()
             weights = [0.3, 0.7, 0.5]
             g = torch.Generator().manual_seed(3)
             coefs = [torch.randn(len(s) - f, generator=g).to(dev) for s, f in zip(seqs, sf, strict=True)]
             model.zero_grad(set_to_none=True)
             if name == "qwen3moe":
-                values = _stock(model, seqs, sf, rows, weights, coefs)
+                values = stock_router_losses(model, seqs, sf, rows, weights, coefs)
             else:
                 lps, _ = dense_logprobs(model, seqs, sf)
                 sum((lp * c).sum() for lp, c in zip(lps, coefs, strict=True)).backward()

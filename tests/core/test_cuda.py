@@ -69,15 +69,14 @@ def test_router_loss_on_cuda_in_float64(mode):
     against the model's own aux per padded micro-batch, as tests/core/test_router.py on the CPU."""
     from forkrl.core.executor import RouterLoss
     from forkrl.core.testing import Float64Mode
-
-    from .test_router import _stock, _window
+    from forkrl.core.testing.router import router_window, stock_router_losses
 
     with Float64Mode():
         model = make_model("qwen3moe").cuda()
-        seqs, sf, rows = _window()
+        seqs, sf, rows = router_window()
         weights = [0.3, 0.7, 0.5]
         coefs = [torch.randn(len(s) - f, dtype=torch.float64) for s, f in zip(seqs, sf, strict=True)]
-        want_values = _stock(model, seqs, sf, rows, weights, [c.cuda() for c in coefs])
+        want_values = stock_router_losses(model, seqs, sf, rows, weights, [c.cuda() for c in coefs])
         want = grads(model)
         model.zero_grad(set_to_none=True)
         forest = PrefixForest.build(seqs, sf)

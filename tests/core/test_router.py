@@ -8,46 +8,11 @@ import torch
 from forkrl.core import PrefixForest, TreeExecutor, UnsupportedModelError
 from forkrl.core.executor import RouterLoss
 from forkrl.core.testing import Float64Mode
-from forkrl.core.testing.forests import deep_tree, grpo_group
-from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err
+from forkrl.core.testing.models import grads, max_rel_err
 from forkrl.core.testing.models import tiny_causal_lm as make_model
+from forkrl.core.testing.router import router_window, stock_router_losses
 
 TOL = 1e-10
-
-
-def _window():
-    """Two micro-batches: a GRPO group split across them (its prompt shared by both) and a deep tree."""
-    a, fa = grpo_group(seed=4)
-    b, fb = deep_tree()
-    seqs, sf = a + b, fa + fb
-    return seqs, sf, [0, 3, len(a), len(seqs)]  # three groups; the first two share a prompt
-
-
-def _stock(model, seqs, sf, rows, weights, coefs):
-    """Plain autograd: per-sequence log-prob functional plus each group's aux loss (padded batch)."""
-    lps, _ = dense_logprobs(model, seqs, sf)
-    loss = sum((lp * c).sum() for lp, c in zip(lps, coefs, strict=True))
-    values = []
-    for g, w in enumerate(weights):
-        part = seqs[rows[g] : rows[g + 1]]
-        width = max(map(len, part))
-        ids = torch.zeros(len(part), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for b, s in enumerate(part):  # left padding, as TRL's prompts
-            ids[b, width - len(s) :], mask[b, width - len(s) :] = torch.tensor(s), 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        dev = next(model.parameters()).device
-        out = model(
-            input_ids=ids.to(dev),
-            attention_mask=mask.to(dev),
-            position_ids=pos.to(dev),
-            output_router_logits=True,
-        )
-        aux = out.aux_loss
-        values.append(aux.detach())
-        loss = loss + w * aux
-    loss.backward()
-    return torch.stack(values)
 
 
 @pytest.mark.parametrize(
@@ -66,13 +31,13 @@ def _stock(model, seqs, sf, rows, weights, coefs):
 def test_router_loss_gradient_equals_stock(name, mode, block, score_first):
     with Float64Mode():
         model = make_model(name)
-        seqs, sf, rows = _window()
+        seqs, sf, rows = router_window()
         weights = [0.3, 0.7, 0.5]
         g = torch.Generator().manual_seed(5)
         coefs = [
             torch.randn(len(s) - f, generator=g, dtype=torch.float64) for s, f in zip(seqs, sf, strict=True)
         ]
-        want_values = _stock(model, seqs, sf, rows, weights, coefs)
+        want_values = stock_router_losses(model, seqs, sf, rows, weights, coefs)
         want = grads(model)
         model.zero_grad(set_to_none=True)
 
@@ -94,9 +59,9 @@ def test_router_loss_alone_moves_only_what_routing_reaches():
     unit term or a miscounted multiplicity shows up here, not hidden under the policy gradient)."""
     with Float64Mode():
         model = make_model("qwen3moe")
-        seqs, sf, rows = _window()
+        seqs, sf, rows = router_window()
         zeros = [torch.zeros(len(s) - f, dtype=torch.float64) for s, f in zip(seqs, sf, strict=True)]
-        _stock(model, seqs, sf, rows, [1.0, 1.0, 1.0], zeros)
+        stock_router_losses(model, seqs, sf, rows, [1.0, 1.0, 1.0], zeros)
         want = grads(model)
         model.zero_grad(set_to_none=True)
         forest = PrefixForest.build(seqs, sf)
@@ -109,7 +74,7 @@ def test_router_loss_alone_moves_only_what_routing_reaches():
 
 def test_router_loss_bad_input_changes_nothing():
     model = make_model("qwen3moe")
-    seqs, sf, rows = _window()
+    seqs, sf, rows = router_window()
     forest = PrefixForest.build(seqs, sf)
     with pytest.raises(ValueError, match="one weight per micro-batch"):
         RouterLoss([1.0, 1.0]).bind(forest, rows)
@@ -125,7 +90,7 @@ def test_router_loss_bad_input_changes_nothing():
 
 def test_router_loss_refused_for_a_dense_model():
     model = make_model("llama-gqa")
-    seqs, sf, rows = _window()
+    seqs, sf, rows = router_window()
     forest = PrefixForest.build(seqs, sf)
     zeros = [torch.zeros(len(s) - f, dtype=torch.float64) for s, f in zip(seqs, sf, strict=True)]
     with pytest.raises(UnsupportedModelError, match="router loss coefficient to 0"):
