@@ -11,65 +11,75 @@ under the same DeepSpeed configs matches that to 5.8e-7, measured). Every run ha
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from forkrl.core.testing.ranks import clean_env, torchrun
+from forkrl.core.testing.ranks import run_in_subprocess, run_on_ranks
 
 pytest.importorskip("trl")
 pytest.importorskip("deepspeed")
 
-from .trl_helpers import initial_params, relative_difference, save_tiny_llama  # noqa: E402
+from .trl_helpers import initial_params, relative_difference, save_tiny_llama, train  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 TOL = 1e-4
+_ENV = {"TRL_EXPERIMENTAL_SILENCE": "1"}
 
-_SCRIPT = """
-import sys
-sys.path.insert(0, {repo!r})
-from pathlib import Path
-import torch
-from accelerate.state import PartialState
 
-stage = {stage}
-if stage:
-    # Test-only shim: accelerate chooses no backend for DeepSpeed on a CPU machine; use gloo.
-    _prepare = PartialState._prepare_backend
-    def _gloo(self, cpu=False, sagemaker_dp=False, backend=None):
-        name, kind = _prepare(self, cpu, sagemaker_dp, backend)
+def _gloo_for_deepspeed_on_cpu() -> None:
+    """Test-only shim, in the rank's own process: accelerate chooses no backend for DeepSpeed on a
+    CPU machine; use gloo."""
+    from accelerate.state import PartialState
+
+    prepare = PartialState._prepare_backend
+
+    def gloo(self, cpu=False, sagemaker_dp=False, backend=None):
+        name, kind = prepare(self, cpu, sagemaker_dp, backend)
         return ("gloo" if name is None else name), kind
-    PartialState._prepare_backend = _gloo
 
-from tests.trl.trl_helpers import train
-mode, out, per_device = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
-ds = {{"zero_optimization": {{"stage": stage, "stage3_param_persistence_threshold": 0}},
-      "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
-      "gradient_clipping": "auto", "zero_allow_untested_optimizer": True, "bf16": {{"enabled": False}},
-      "fp16": {{"enabled": False}}}}
-extra = dict(deepspeed=ds, use_cpu=False) if stage else {{}}
-params, tr = train({model!r}, out / mode, mode == "tree", per_device_train_batch_size=per_device, max_steps=2,
-                   **extra, **{cfg!r})
-if not stage:
-    torch.save(params, out / "stock.pt")
-    sys.exit(0)
-from forkrl.core.train import is_zero3
-engine = tr.model_wrapped
-from forkrl.plugins.deepspeed import gathered
-with gathered([p for p in tr.model.parameters() if hasattr(p, "ds_id")]):
-    full = {{n: p.detach().clone() for n, p in tr.model.named_parameters()}}
-if stage == 3:
-    from forkrl.plugins.deepspeed import check
-    check()  # forkrl's DeepSpeed contract, on a real partition in this process group
-if tr.accelerator.is_main_process:
-    print("ENGINE", type(engine).__name__, engine.zero_optimization_stage(), "PARTITIONED", is_zero3(tr.model))
-    torch.save(full, out / "tree.pt")
-from forkrl.core.testing.ranks import finish
-finish()
-"""
+    PartialState._prepare_backend = gloo
+
+
+def _zero_train(model: str, out: Path, mode: str, per_device: int, cfg: dict, stage: int) -> dict | None:
+    """Two steps of the plugin under DeepSpeed ZeRO-``stage`` (``stage=0``: stock TRL without
+    DeepSpeed, in one process); the main process returns the full parameters and, under DeepSpeed,
+    the engine it ran."""
+    if stage:
+        _gloo_for_deepspeed_on_cpu()
+    ds = {
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_allow_untested_optimizer": True,
+        "bf16": {"enabled": False},
+        "fp16": {"enabled": False},
+    }
+    extra = dict(deepspeed=ds, use_cpu=False) if stage else {}
+    params, tr = train(
+        model, out / mode, mode == "tree", per_device_train_batch_size=per_device, max_steps=2, **extra, **cfg
+    )
+    if not stage:
+        return {"params": params}
+    from forkrl.core.train import is_zero3
+    from forkrl.plugins.deepspeed import gathered
+
+    engine = tr.model_wrapped
+    with gathered([p for p in tr.model.parameters() if hasattr(p, "ds_id")]):
+        full = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+    if stage == 3:
+        from forkrl.plugins.deepspeed import check
+
+        check()  # forkrl's DeepSpeed contract, on a real partition in this process group
+    if not tr.accelerator.is_main_process:
+        return None
+    return {
+        "params": full,
+        "engine": (type(engine).__name__, engine.zero_optimization_stage()),
+        "partitioned": is_zero3(tr.model),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -86,15 +96,8 @@ def stock(model_path, tmp_path_factory):
         key = repr(cfg)
         if key not in cache:
             out = tmp_path_factory.mktemp("stock")
-            script = out / "stock.py"
-            script.write_text(_SCRIPT.format(repo=str(REPO), model=model_path, cfg=cfg, stage=0))
-            env = clean_env(OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1")
-            proc = subprocess.run(
-                [sys.executable, str(script), "stock", str(out), "4"],
-                capture_output=True, text=True, env=env, timeout=600, cwd=REPO,
-            )  # fmt: skip
-            assert proc.returncode == 0, proc.stderr[-4000:]
-            cache[key] = torch.load(out / "stock.pt")
+            result = run_in_subprocess(_zero_train, model_path, out, "stock", 4, cfg, 0, env=_ENV)
+            cache[key] = result["params"]
         return cache[key]
 
     return run
@@ -104,9 +107,10 @@ def stock(model_path, tmp_path_factory):
     "stage,cfg", [(2, {}), (3, {}), (3, {"beta": 0.1})], ids=["zero2-dapo", "zero3-dapo", "zero3-beta-ref"]
 )
 def test_deepspeed_two_ranks_equal_stock_one_process(stage, cfg, model_path, stock, tmp_path):
-    script = tmp_path / "zero.py"
-    script.write_text(_SCRIPT.format(repo=str(REPO), model=model_path, cfg=cfg, stage=stage))
-    tree = torchrun(script, "tree", tmp_path, 2, cwd=REPO, TRL_EXPERIMENTAL_SILENCE="1")
-    assert f"ENGINE DeepSpeedEngine {stage} PARTITIONED {stage == 3}" in tree.stdout, tree.stdout[-2000:]
-    got = torch.load(tmp_path / "tree.pt")
-    assert relative_difference(got, stock(cfg), initial_params(model_path)) < TOL
+    tree = run_on_ranks(
+        _zero_train, 2, model_path, tmp_path, "tree", 2, cfg, stage, init_group=False, env=_ENV
+    )[0]
+    assert tree["engine"] == ("DeepSpeedEngine", stage) and tree["partitioned"] == (stage == 3), tree[
+        "engine"
+    ]
+    assert relative_difference(tree["params"], stock(cfg), initial_params(model_path)) < TOL
