@@ -20,7 +20,7 @@ from forkrl.core.testing.forests import deep_tree, grpo_group
 from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err
 from forkrl.core.testing.models import tiny_causal_lm as make_model
 
-from .test_precision import check_follows_the_hosts_precision
+from .precision_check import check_follows_the_hosts_precision
 
 TOL = 1e-12
 MAMBA1 = ["mamba", "falconmamba", "jamba", "zamba"]

@@ -17,18 +17,24 @@ parameters after several optimizer steps, where bf16 parameters' own rounding al
 
 from __future__ import annotations
 
-import contextlib
-import functools
-
 import pytest
 import torch
 
 from forkrl.core import PrefixForest, TreeExecutor
 from forkrl.core.executor import RouterLoss
 from forkrl.core.testing import Bf16Rounding
-from forkrl.core.testing.forests import deep_tree, grpo_group
+from forkrl.core.testing.forests import grpo_group
 from forkrl.core.testing.models import dense_logprobs, grads
 from forkrl.core.testing.models import tiny_causal_lm as make_model
+
+from .precision_check import (
+    check_follows_the_hosts_precision,
+    flat,
+    stock_pass,
+    tree_pass,
+    zoo_batch,
+    zoo_coefs,
+)
 
 ZOO = ["llama-gqa", "qwen2", "qwen3", "gemma2", "qwen3moe", "lfm2"]
 PRECISIONS = ["autocast", "bf16"]
@@ -39,77 +45,6 @@ def _modes(name: str) -> list[str]:
 
 
 CASES = [(n, p, m) for n in ZOO for p in PRECISIONS for m in _modes(n)]
-
-
-def _flat(xs) -> torch.Tensor:
-    return torch.cat([x.detach().double().flatten() for x in xs])
-
-
-def _batch():
-    a, fa = grpo_group(seed=3, group=6)
-    b, fb = deep_tree()
-    return a + b, fa + fb
-
-
-def _context(precision: str):
-    if precision == "autocast":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def _stock(model, seqs, sf, coefs, router: bool):
-    """Per-sequence log-probs and the gradient of ``sum coefs * logprobs`` (+ the aux loss of the
-    whole batch as one padded micro-batch, for MoE models)."""
-    model.zero_grad(set_to_none=True)
-    lps, _ = dense_logprobs(model, seqs, sf)
-    loss = sum((lp.float() * c).sum() for lp, c in zip(lps, coefs, strict=True))
-    if router:
-        width = max(map(len, seqs))
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for b, s in enumerate(seqs):
-            ids[b, width - len(s) :], mask[b, width - len(s) :] = torch.tensor(s), 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, output_router_logits=True)
-        loss = loss + 0.5 * out.aux_loss.float()
-    loss.backward()
-    return _flat(lps), _flat(grads(model))
-
-
-def _tree(model, mode, seqs, sf, coefs, router: bool):
-    model.zero_grad(set_to_none=True)
-    forest = PrefixForest.build(seqs, sf)
-    ex = TreeExecutor(model, mode=mode, block_size=3 if mode == "replay" else None)
-    scored = ex.score(forest)
-    loss = RouterLoss([0.5]).bind(forest, [0, len(seqs)]) if router else None
-    ex.backward(forest, coefs, router=loss)
-    return _flat(scored.logprobs), _flat(grads(model))
-
-
-@functools.cache
-def _coefs():
-    seqs, sf = _batch()
-    g = torch.Generator().manual_seed(7)
-    return [torch.randn(len(s) - f, generator=g) for s, f in zip(seqs, sf, strict=True)]
-
-
-def check_follows_the_hosts_precision(name: str, precision: str, mode: str, router: bool = False) -> None:
-    """The tree's log-probs and gradient of zoo model ``name`` under ``precision`` (``"autocast"``:
-    bf16 autocast over float32; ``"bf16"``: bf16 parameters) against stock's in that precision and
-    the float32 computation on the same (rounded) weights: ``Bf16Rounding.check_follows``."""
-    seqs, sf = _batch()
-    coefs = _coefs()
-    model = make_model(name, dtype=torch.float32)
-    if precision == "bf16":  # float32 stock then runs on the bf16-rounded weights: compute rounding only
-        model = model.to(torch.bfloat16).float()
-    exact = _stock(model, seqs, sf, coefs, router)
-    if precision == "bf16":
-        model = model.to(torch.bfloat16)
-    with _context(precision):
-        stock = _stock(model, seqs, sf, coefs, router)
-        tree = _tree(model, mode, seqs, sf, coefs, router)
-    for what, i in (("log-probs", 0), ("gradient", 1)):
-        Bf16Rounding(f"{name} {precision} {mode} {what}", tree[i], stock[i], exact[i]).check_follows()
 
 
 @pytest.mark.parametrize("name,precision,mode", CASES)
@@ -127,10 +62,10 @@ def test_float32_is_unchanged_by_the_precision_work(monkeypatch):
     import forkrl.core.attention.split as split
 
     monkeypatch.setattr(split, "MIN_SPLIT_ELEMENTS", 0)
-    seqs, sf = _batch()
+    seqs, sf = zoo_batch()
     model = make_model("qwen2", dtype=torch.float32)
-    lp, g = _stock(model, seqs, sf, _coefs(), False)
-    tlp, tg = _tree(model, "keep", seqs, sf, _coefs(), False)
+    lp, g = stock_pass(model, seqs, sf, zoo_coefs(), False)
+    tlp, tg = tree_pass(model, "keep", seqs, sf, zoo_coefs(), False)
     assert float((tlp - lp).norm() / lp.norm()) < 1e-6
     assert float((tg - g).norm() / g.norm()) < 1e-5
 
@@ -138,12 +73,12 @@ def test_float32_is_unchanged_by_the_precision_work(monkeypatch):
 def test_the_criterion_catches_a_tree_that_ignores_autocast(monkeypatch):
     """The lower bound is not vacuous: a tree pass run in float32 under the host's bf16 autocast
     (what forkrl did before it followed autocast) fails it."""
-    seqs, sf = _batch()
+    seqs, sf = zoo_batch()
     model = make_model("llama-gqa", dtype=torch.float32, attn="eager")
-    exact = _stock(model, seqs, sf, _coefs(), False)
+    exact = stock_pass(model, seqs, sf, zoo_coefs(), False)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        stock = _stock(model, seqs, sf, _coefs(), False)
-    tree = _tree(model, "keep", seqs, sf, _coefs(), False)  # autocast off: float32
+        stock = stock_pass(model, seqs, sf, zoo_coefs(), False)
+    tree = tree_pass(model, "keep", seqs, sf, zoo_coefs(), False)  # autocast off: float32
     with pytest.raises(AssertionError, match="want 0.5"):
         Bf16Rounding("float32 tree", tree[1], stock[1], exact[1]).check_follows()
 
@@ -151,12 +86,12 @@ def test_the_criterion_catches_a_tree_that_ignores_autocast(monkeypatch):
 def test_stock_layouts_differ_by_bf16_noise():
     """Why the criterion is two-sided: stock itself, run on a right-padded batch instead of one
     sequence at a time, moves its bf16 gradient by a large part of its distance to float32."""
-    seqs, sf = _batch()
-    coefs = _coefs()
+    seqs, sf = zoo_batch()
+    coefs = zoo_coefs()
     model = make_model("llama-gqa", dtype=torch.float32)
-    exact = _stock(model, seqs, sf, coefs, False)[1]
+    exact = stock_pass(model, seqs, sf, coefs, False)[1]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        single = _stock(model, seqs, sf, coefs, False)[1]
+        single = stock_pass(model, seqs, sf, coefs, False)[1]
         model.zero_grad(set_to_none=True)
         width = max(map(len, seqs))
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -169,7 +104,7 @@ def test_stock_layouts_differ_by_bf16_noise():
         for b, (s, f) in enumerate(zip(seqs, sf, strict=True))
     ]
     sum((lp * c).sum() for lp, c in zip(lps, coefs, strict=True)).backward()
-    padded = _flat(grads(model))
+    padded = flat(grads(model))
     gap = float((single - exact).norm())
     assert 0.2 * gap < float((padded - single).norm()) < 1.5 * gap
 
@@ -182,7 +117,7 @@ def test_probe_accepts_bf16_hosts_and_still_refuses_broken_caches(monkeypatch):
     from forkrl.core import UnsupportedModelError
     from forkrl.core.executor import cache
 
-    seqs, sf = _batch()
+    seqs, sf = zoo_batch()
     forest = PrefixForest.build(seqs, sf)
     for name in ("qwen3", "gemma2", "qwen3moe", "nemotronh"):
         model = make_model(name, dtype=torch.float32)
