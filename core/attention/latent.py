@@ -82,7 +82,7 @@ def absorbable_weight(module: nn.Module) -> torch.Tensor | None:
     """``kv_b_proj``'s weight ``[H * (nope + v), rank]`` where the queries can absorb it: a plain
     bias-free ``nn.Linear`` holding its whole weight; else None (the expanded path)."""
     proj = module.kv_b_proj
-    if type(proj) is not nn.Linear or proj.bias is not None or proj._forward_pre_hooks or proj._forward_hooks:
+    if type(proj) is not nn.Linear or proj.bias is not None or compat.has_forward_hooks(proj):
         return None
     weight = proj.weight
     if compat.is_zero3_param(weight) or compat.is_dtensor(weight):

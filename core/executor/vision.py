@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .. import compat
 from ..errors import UnsupportedModelError
 
 __all__ = ["Image", "VisionBatch", "images_from"]
@@ -344,12 +345,10 @@ class VisionBatch:
                         "Gemma 3 attends both ways within an image, and this pass cuts an image into two blocks: "
                         "use mode='keep', or a replay block size of at least the image's tokens"
                     )
-        from transformers.models.gemma3.modeling_gemma3 import create_masks_for_vision_model
-
         starts = virtual & ~torch.nn.functional.pad(virtual, (1, 0), value=False)[:, :-1]
         blocks = torch.where(virtual, torch.cumsum(starts.long(), dim=1) - 1, -1)
         past = torch.full((ids.shape[0], start), -1, dtype=blocks.dtype, device=blocks.device)
-        return create_masks_for_vision_model(
+        return compat.gemma3_vision_masks(
             config=base.config.get_text_config(), inputs_embeds=embeds, attention_mask=None, cache=cache,
             position_ids=positions, block_sequence_ids=torch.cat([past, blocks], dim=1),
         )  # fmt: skip
@@ -450,14 +449,11 @@ def _features(base: nn.Module, images: list[Image], grad: bool, kind: str) -> tu
 
 def _crops(config, image: Image) -> Image:
     """A LLaVA-NeXT image with its own crops only (a batch pads every image to the most crops)."""
-    from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
-
     if image.image_size is None or image.pixel_values.dim() != 4:
         raise ValueError("a LLaVA-NeXT image needs pixel_values [crops, C, H, W] and its image_size [2]")
-    n = image_size_to_num_patches(
-        image_size=image.image_size, grid_pinpoints=config.image_grid_pinpoints,
-        patch_size=config.vision_config.image_size,
-    )  # fmt: skip
+    n = compat.llava_next_crops(
+        image.image_size, config.image_grid_pinpoints, config.vision_config.image_size
+    )
     if n > image.pixel_values.shape[0]:
         raise ValueError(f"a LLaVA-NeXT image of size {image.image_size.tolist()} needs {n} crops, got "
                          f"{image.pixel_values.shape[0]}")  # fmt: skip
@@ -470,10 +466,7 @@ def _crops(config, image: Image) -> Image:
 
 def _vision_tower(base: nn.Module) -> nn.Module:
     """The vision tower and its projector (their parameters train or not together)."""
-    inner = getattr(base, "model", base)
-    if hasattr(inner, "visual"):
-        return inner.visual
-    return nn.ModuleList([inner.vision_tower, inner.multi_modal_projector])
+    return compat.vision_tower(getattr(base, "model", base))
 
 
 def _positions(
@@ -484,9 +477,5 @@ def _positions(
     if not images:
         return torch.arange(len(seq)).expand(3, -1)
     ids = seq.to(device)[None]
-    pos, _ = base.model.get_rope_index(
-        ids,
-        mm_token_type_ids=kinds.to(device, torch.int32)[None],
-        image_grid_thw=torch.stack([img.grid_thw for img in images]).to(device),
-    )
-    return pos[:, 0]
+    grid = torch.stack([img.grid_thw for img in images]).to(device)
+    return compat.rope_index(base.model, ids, kinds.to(device, torch.int32)[None], grid)[:, 0]

@@ -18,14 +18,13 @@ from typing import Any
 
 import torch
 
-from forkrl.core.compat import Private, check_private, parameter_names
+from forkrl.core.compat import Private, parameter_names
 
 __all__ = [
     "CHECKED",
     "PRIVATES",
     "SWAPS",
     "Private",
-    "check",
     "engine_of",
     "ring_attention_off",
     "ring_group",
@@ -35,62 +34,74 @@ __all__ = [
 
 CHECKED = "openrlhf 0.11.2 (deepspeed 0.19.6, transformers 5.15.0, ray 2.55.0)"
 
-#: (module, name, why): the module-level names the plugin replaces, and where.
-SWAPS: tuple[tuple[str, str, str], ...] = (
-    (
+
+def _swap(module: str, name: str, why: str) -> Private:
+    """A module-level name of OpenRLHF (or Ray) the plugin swaps: it must exist where it is looked up."""
+
+    def probe() -> None:
+        import importlib
+
+        assert hasattr(importlib.import_module(module), name), f"{module} has no {name}"
+
+    return Private("OpenRLHF", f"{module}.{name}", why, probe, CHECKED)
+
+
+#: The module-level names the plugin replaces (scoped with :func:`swapped`), and where.
+SWAPS: tuple[Private, ...] = (
+    _swap(
         "openrlhf.trainer.ray.ppo_actor",
         "PolicyModelActor",
         "driver: train_ppo_ray imports it at module level to build the actor group",
     ),
-    (
+    _swap(
         "openrlhf.trainer.ray.launcher",
         "ReferenceModelActor",
         "driver: train_ppo_ray imports it at module level to build the reference group",
     ),
-    (
+    _swap(
         "openrlhf.utils.config",
         "hierarchize",
         "driver: train_ppo_ray's __main__ imports it after parsing; forkrl's options are attached to its result",
     ),
-    (
+    _swap(
         "openrlhf.utils",
         "get_strategy",
         "driver, parse only: train() calls it first after ray.init; the launcher's dry run stops there",
     ),
-    (
+    _swap(
         "ray",
         "is_initialized",
         "driver, parse only: train() starts Ray unless it is initialised; the dry run starts nothing",
     ),
-    (
+    _swap(
         "openrlhf.trainer.ray.ppo_actor",
         "ActorPPOTrainer",
         "worker: PolicyModelActor.init_model_from_pretrained builds its trainer by this global name",
     ),
-    (
+    _swap(
         "openrlhf.trainer.ray.ppo_actor",
         "iter_grad_accum_global_norm",
         "worker: ActorPPOTrainer.ppo_train groups micro-batches into optimizer-step windows with it",
     ),
-    (
+    _swap(
         "openrlhf.trainer.ray",
         "create_vllm_engines",
         "driver (the CPU run, forkrl.plugins.openrlhf.cpu_run): train_ppo_ray imports it at module level to build "
         "the vLLM engines; the CPU rollout's create_engines takes its arguments",
     ),
-    (
+    _swap(
         "openrlhf.trainer.ray.vllm_engine",
         "RolloutRayActor",
         "driver (--forkrl.speculative_rollout): create_vllm_engines builds each engine with "
         "RolloutRayActor.options(...).remote(**actor_kwargs), whose kwargs become vLLM's AsyncEngineArgs",
     ),
-    (
+    _swap(
         "openrlhf.trainer.ppo_trainer",
         "PPOTrainer",
         "driver (--forkrl.speculative_rollout): train() imports it inside the function and builds the trainer "
         "actor with PPOTrainer.remote(...); its _compute_rollout_stats gains spec/* metrics",
     ),
-    (
+    _swap(
         "openrlhf.trainer.ppo_trainer_async",
         "TrainingActor",
         "driver (--forkrl.speculative_rollout with --train.async_enable): PPOTrainerAsync builds its training "
@@ -107,8 +118,8 @@ def swapped(module: ModuleType | str, **names: Any) -> Iterator[None]:
         import importlib
 
         module = importlib.import_module(module)
-    allowed = {name for mod, name, _ in SWAPS if mod == module.__name__}
-    unknown = set(names) - allowed
+    allowed = {swap.name for swap in SWAPS}
+    unknown = {name for name in names if f"{module.__name__}.{name}" not in allowed}
     if unknown:
         raise AssertionError(f"{sorted(unknown)} of {module.__name__} are not listed in compat.SWAPS")
     saved = {name: getattr(module, name) for name in names}
@@ -169,8 +180,6 @@ def ring_attention_off() -> Iterator[None]:
 def _swaps() -> None:
     import importlib
 
-    for mod, name, _ in SWAPS:
-        assert hasattr(importlib.import_module(mod), name), f"{mod}.{name}"
     src = inspect.getsource(importlib.import_module("openrlhf.cli.train_ppo_ray"))
     train = src[src.index("def train(args):") :]
     assert (
@@ -372,45 +381,80 @@ def _vlm() -> None:
 
 
 PRIVATES: tuple[Private, ...] = (
-    Private("swaps", "the names SWAPS replaces exist and are looked up where the plugin expects", _swaps),
-    Private("window", "ppo_train groups micro-batches with iter_grad_accum_global_norm", _window),
+    *SWAPS,
     Private(
+        "OpenRLHF",
+        "train_ppo_ray.train's order and imports",
+        "the names SWAPS replaces are imported and looked up where and when the plugin expects",
+        _swaps,
+        CHECKED,
+    ),
+    Private(
+        "OpenRLHF",
+        "window",
+        "ppo_train groups micro-batches with iter_grad_accum_global_norm",
+        _window,
+        CHECKED,
+    ),
+    Private(
+        "OpenRLHF",
         "training_step",
         "its loss half (actor, PolicyLoss, KL, entropy, strategy.backward) runs on tree leaves; its tail "
         "(optimizer step, EMA, grad norm, lr) is mirrored by the plugin",
         _training_step,
+        CHECKED,
     ),
-    Private("actor_layout", "Actor.forward's positions, log-prob columns and temperature", _actor_layout),
-    Private("scoring", "old and reference log-probs come through the actors' forward", _scoring),
-    Private("strategy", "DeepspeedStrategy.backward/optimizer_step call the engine's", _strategy),
     Private(
+        "OpenRLHF",
+        "actor_layout",
+        "Actor.forward's positions, log-prob columns and temperature",
+        _actor_layout,
+        CHECKED,
+    ),
+    Private(
+        "OpenRLHF",
+        "scoring",
+        "old and reference log-probs come through the actors' forward",
+        _scoring,
+        CHECKED,
+    ),
+    Private(
+        "OpenRLHF",
+        "strategy",
+        "DeepspeedStrategy.backward/optimizer_step call the engine's",
+        _strategy,
+        CHECKED,
+    ),
+    Private(
+        "OpenRLHF",
         "ring",
         "the ring-attention group (get_ring_attn_group) and ring_flash_attn's switch (use_ring_attn), which "
         "the tree turns off inside its passes",
         _ring,
+        CHECKED,
     ),
     Private(
+        "OpenRLHF",
         "cpu_run",
         "the CPU run's stand-ins: create_vllm_engines's arguments, and the device mesh, DeepSpeed config, replay "
         "buffer device and vLLM weight sync its worker patches replace",
         _cpu_run,
+        CHECKED,
     ),
     Private(
+        "OpenRLHF",
         "spec_metrics",
         "BasePPOTrainer.train_step merges _compute_rollout_stats's dict into the step's status, and keeps the "
         "engines as self.vllm_engines (spec/* come from there)",
         _spec_metrics,
+        CHECKED,
     ),
     Private(
+        "OpenRLHF",
         "vlm",
         "a vision-language Actor (is_vlm) takes each sample's mm_train_inputs dict, concatenated in row order, "
         "its placeholders found by image_token_id and its positions computed by the model",
         _vlm,
+        CHECKED,
     ),
 )
-
-
-def check() -> None:
-    """Check every entry of :data:`PRIVATES` (AssertionError naming the first that changed)."""
-    for entry in PRIVATES:
-        check_private(entry, "OpenRLHF", CHECKED)

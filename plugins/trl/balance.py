@@ -24,6 +24,8 @@ import torch
 
 from forkrl.core.balance import CostModel, Rebalanced, rebalance
 
+from . import compat
+
 __all__ = ["balance_window", "unsafe_reason"]
 
 # Loss types whose rows are weighted independently of the micro-batch they share.
@@ -38,7 +40,7 @@ def unsafe_reason(trainer: Any) -> str | None:
     loss_type = getattr(trainer, "loss_type", None)
     if loss_type is not None and loss_type not in _ROW_LOCAL:
         return f"loss_type={loss_type!r} normalises each micro-batch by its own token count"
-    if getattr(trainer, "_entropy_bonus_enabled", False):
+    if compat.entropy_bonus_enabled(trainer):
         return "the entropy bonus is a token mean over each micro-batch"
     if getattr(trainer, "top_entropy_quantile", 1.0) < 1.0:
         return "top_entropy_quantile < 1 masks by a quantile over each micro-batch"

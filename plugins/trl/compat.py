@@ -1,8 +1,9 @@
 """Every TRL, transformers-Trainer and accelerate private the TRL plugin relies on, in one place.
 
-Each :class:`HostPrivate` names a method the plugin overrides or calls, or an attribute it reads or
-writes, with the reason; ``tests/trl/test_trl_contract.py`` checks every entry against the
-installed TRL (signatures with ``inspect.signature``, instance attributes by the trainer's source),
+Each :class:`~forkrl.core.compat.Private` (the one form core and every plugin use) names a method
+the plugin overrides or calls, or an attribute it reads or writes, with the reason;
+``tests/trl/test_trl_contract.py`` checks every entry against the installed TRL (signatures with
+``inspect.signature``, instance attributes by the trainer's source),
 so an upgrade that changes one fails in one test with the entry's name. The accessors below are the
 plugin's only way to underscore attributes.
 """
@@ -13,16 +14,17 @@ import contextlib
 import inspect
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
+
+from forkrl.core.compat import Private
 
 __all__ = [
     "CHECKED",
     "PRIVATES",
-    "HostPrivate",
+    "Private",
     "add_step_time",
     "advance_micro_step",
-    "check",
+    "entropy_bonus_enabled",
     "deepspeed_config",
     "deepspeed_engine",
     "metrics",
@@ -34,58 +36,109 @@ __all__ = [
 CHECKED = "trl 1.16.0, transformers 5.25.0, accelerate 1.15.0"
 
 
-@dataclass(frozen=True)
-class HostPrivate:
-    """One private of the host.
+def _trainer_classes(owner: str) -> list[type]:
+    import trl
 
-    Attributes:
-        owner: ``"trainer"`` (both GRPOTrainer and RLOOTrainer), ``"GRPOTrainer"``, ``"accelerate"``,
-            ``"trl"`` (a module-level function).
-        name: the method or attribute.
-        why: what the plugin does with it.
-        params: for a method, its leading parameter names (the plugin passes these by position).
-        attribute: an instance attribute (checked in the class's source), not a method.
-    """
-
-    owner: str
-    name: str
-    why: str
-    params: tuple[str, ...] | None = None
-    attribute: bool = False
+    if owner == "trainer":
+        return [trl.GRPOTrainer, trl.RLOOTrainer]
+    return [getattr(trl, owner)]
 
 
-PRIVATES: tuple[HostPrivate, ...] = (
-    HostPrivate(
+def _label(owner: str) -> str:
+    return "GRPOTrainer/RLOOTrainer" if owner == "trainer" else owner
+
+
+def _method(owner: str, name: str, why: str, params: tuple[str, ...]) -> Private:
+    """A method of TRL's trainer(s) (``owner``: ``"trainer"`` for both GRPOTrainer and RLOOTrainer) the
+    plugin overrides or calls, with the leading parameters it passes by position."""
+
+    def probe() -> None:
+        for cls in _trainer_classes(owner):
+            method = getattr(cls, name, None)
+            assert callable(method), f"{cls.__name__} has no method {name}"
+            found = tuple(inspect.signature(method).parameters)
+            assert found[: len(params)] == params, f"{cls.__name__}.{name}{found}, expected {params} first"
+
+    return Private("TRL", f"{_label(owner)}.{name}", why, probe, CHECKED)
+
+
+def _attribute(owner: str, name: str, why: str) -> Private:
+    """An instance attribute of TRL's trainer(s) (set in ``__init__``, or a class attribute) the plugin
+    reads or writes."""
+
+    def probe() -> None:
+        for cls in _trainer_classes(owner):
+            found = hasattr(cls, name) or f"self.{name}" in inspect.getsource(cls)
+            assert found, f"{cls.__name__} no longer sets self.{name}"
+
+    return Private("TRL", f"{_label(owner)}.{name}", why, probe, CHECKED)
+
+
+def _vllm_attribute(name: str, why: str) -> Private:
+    def probe() -> None:
+        from trl.generation.vllm_generation import VLLMGeneration
+
+        assert f"self.{name} =" in inspect.getsource(VLLMGeneration), (
+            f"VLLMGeneration no longer sets self.{name}"
+        )
+
+    return Private("TRL", f"VLLMGeneration.{name}", why, probe, CHECKED)
+
+
+def _init_vllm() -> None:
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    assert "self.llm = LLM(" in inspect.getsource(VLLMGeneration._init_vllm), (
+        "no `self.llm = LLM(` in _init_vllm"
+    )
+
+
+def _set_sync_gradients() -> None:
+    from accelerate.state import GradientState
+
+    assert hasattr(GradientState, "_set_sync_gradients"), "GradientState has no _set_sync_gradients"
+
+
+def _unwrap_for_generation() -> None:
+    import trl.models
+
+    assert callable(getattr(trl.models, "unwrap_model_for_generation", None)), (
+        "trl.models has no such function"
+    )
+
+
+PRIVATES: tuple[Private, ...] = (
+    _method(
         "trainer",
         "__init__",
         "forkrl's keyword shortcut binds TRL's own parameters (it takes no **kwargs)",
         ("self", "model", "reward_funcs", "args"),
     ),
-    HostPrivate(
+    _method(
         "trainer",
         "training_step",
         "overridden: collects the micro-batches of one optimizer step",
         ("self", "model", "inputs", "num_items_in_batch"),
     ),
-    HostPrivate(
+    _method(
         "trainer",
         "_prepare_inputs",
         "called: TRL's generation, rewards and advantages, unchanged",
         ("self", "generation_batch"),
     ),
-    HostPrivate(
+    _method(
         "trainer",
         "compute_loss",
         "called per micro-batch on the tree's leaves",
         ("self", "model", "inputs", "return_outputs", "num_items_in_batch"),
     ),
-    HostPrivate(
+    _method(
         "trainer",
         "_compute_loss",
         "compared: the fused pass trusts only TRL's own loss code",
         ("self", "model", "inputs"),
     ),
-    HostPrivate(
+    _method(
         "trainer",
         "_get_per_token_logps_and_entropies",
         "overridden: serves the leaves inside the loss and tree-scores no-grad calls (old/ref log-probs)",
@@ -100,120 +153,74 @@ PRIVATES: tuple[HostPrivate, ...] = (
             "compute_aux_loss",
         ),
     ),
-    HostPrivate(
+    _method(
         "trainer",
         "_generate_single_turn",
         "overridden (speculative_rollout): TRL's transformers generation",
         ("self", "prompt_ids", "images", "multimodal_fields"),
     ),
-    HostPrivate(
-        "trainer",
-        "_metrics",
-        "the metrics sink (mode -> name -> list), and swapped out during probes",
-        attribute=True,
+    _attribute(
+        "trainer", "_metrics", "the metrics sink (mode -> name -> list), and swapped out during probes"
     ),
-    HostPrivate(
-        "trainer", "_step", "counted per micro-batch as TRL's own training_step does", attribute=True
+    _attribute("trainer", "_step", "counted per micro-batch as TRL's own training_step does"),
+    _attribute("trainer", "_current_train_step_time", "TRL's step_time metric"),
+    _attribute(
+        "trainer", "loss_is_scaled_for_ga", "whether the loss is already divided by the accumulation steps"
     ),
-    HostPrivate("trainer", "_current_train_step_time", "TRL's step_time metric", attribute=True),
-    HostPrivate(
-        "trainer",
-        "loss_is_scaled_for_ga",
-        "whether the loss is already divided by the accumulation steps",
-        attribute=True,
+    _attribute("trainer", "aux_loss_enabled", "MoE router loss on: the tree adds its gradient"),
+    _attribute(
+        "trainer", "router_aux_loss_coef", "the MoE router loss's coefficient (its weight per micro-batch)"
     ),
-    HostPrivate(
-        "trainer", "aux_loss_enabled", "MoE router loss on: the tree adds its gradient", attribute=True
-    ),
-    HostPrivate(
-        "trainer",
-        "router_aux_loss_coef",
-        "the MoE router loss's coefficient (its weight per micro-batch)",
-        attribute=True,
-    ),
-    HostPrivate(
+    _attribute(
         "trainer",
         "_is_vlm",
         "vision-language models: the families of forkrl.core.executor.vision on the tree, others refused",
-        attribute=True,
     ),
-    HostPrivate(
-        "trainer", "_tokenizer", "pad id for the speculative sampler's left-padded prompts", attribute=True
-    ),
-    HostPrivate("trainer", "eos_token_ids", "EOS ids for the speculative sampler", attribute=True),
-    HostPrivate(
-        "GRPOTrainer", "off_policy_mask_threshold", "a value-dependent mask: no fused pass", attribute=True
-    ),
-    HostPrivate(
-        "GRPOTrainer", "top_entropy_quantile", "a value-dependent mask: no fused pass", attribute=True
-    ),
-    HostPrivate(
+    _attribute("trainer", "_tokenizer", "pad id for the speculative sampler's left-padded prompts"),
+    _attribute("trainer", "eos_token_ids", "EOS ids for the speculative sampler"),
+    _attribute("GRPOTrainer", "off_policy_mask_threshold", "a value-dependent mask: no fused pass"),
+    _attribute("GRPOTrainer", "top_entropy_quantile", "a value-dependent mask: no fused pass"),
+    Private(
         "accelerate",
         "GradientState._set_sync_gradients",
         "set per micro-batch so TRL's once-per-step loss work (adaptive entropy) runs once",
+        _set_sync_gradients,
+        CHECKED,
     ),
-    HostPrivate("trl", "trl.models.unwrap_model_for_generation", "the model the speculative sampler drives"),
-    HostPrivate(
-        "VLLMGeneration",
-        "_init_vllm",
+    Private(
+        "TRL",
+        "trl.models.unwrap_model_for_generation",
+        "the model the speculative sampler drives",
+        _unwrap_for_generation,
+        CHECKED,
+    ),
+    Private(
+        "TRL",
+        "VLLMGeneration." + "_init_vllm",
         "colocate mode builds `self.llm = LLM(` from the module global LLM: swapped to add the speculative config",
+        _init_vllm,
+        CHECKED,
     ),
-    HostPrivate(
-        "VLLMGeneration", "llm", "the colocated engine (its get_metrics: spec counters)", attribute=True
+    _vllm_attribute("llm", "the colocated engine (its get_metrics: spec counters)"),
+    _vllm_attribute("vllm_client", "the server's client (its base_url: /metrics)"),
+    _attribute("GRPOTrainer", "vllm_generation", "TRL's vLLM generation object"),
+    _attribute(
+        "GRPOTrainer",
+        "_entropy_bonus_enabled",
+        "tree_balance leaves rows in place while the entropy bonus (a token mean over each micro-batch) is on; read without a default, so a rename fails here and in the plugin, not silently as off",
     ),
-    HostPrivate(
-        "VLLMGeneration", "vllm_client", "the server's client (its base_url: /metrics)", attribute=True
-    ),
-    HostPrivate("GRPOTrainer", "vllm_generation", "TRL's vLLM generation object", attribute=True),
 )
 
 
-def _trainer_classes(owner: str):
+# ---------------------------------------------------------------------------- accessors
+
+
+def entropy_bonus_enabled(trainer: Any) -> bool:
+    """Whether GRPO's entropy bonus is on (``_entropy_bonus_enabled``; RLOO has none). Read without a
+    default: a renamed attribute raises here rather than reading as off."""
     import trl
 
-    if owner == "trainer":
-        return [trl.GRPOTrainer, trl.RLOOTrainer]
-    return [getattr(trl, owner)]
-
-
-def check(private: HostPrivate) -> None:
-    """Raise AssertionError, naming the entry, when the installed host no longer has it."""
-    label = f"{private.owner}.{private.name} ({private.why})"
-    if private.owner == "accelerate":
-        from accelerate.state import GradientState
-
-        assert hasattr(GradientState, private.name.split(".")[-1]), f"gone: {label}"
-        return
-    if private.owner == "trl":
-        import trl.models
-
-        assert callable(getattr(trl.models, private.name.split(".")[-1], None)), f"gone: {label}"
-        return
-    if private.owner == "VLLMGeneration":
-        from trl.generation.vllm_generation import VLLMGeneration
-
-        source = inspect.getsource(VLLMGeneration)
-        if private.attribute:
-            assert f"self.{private.name} =" in source, f"VLLMGeneration no longer sets {label}"
-        else:
-            assert "self.llm = LLM(" in inspect.getsource(getattr(VLLMGeneration, private.name)), (
-                f"changed: {label}"
-            )
-        return
-    for cls in _trainer_classes(private.owner):
-        if private.attribute:  # set in __init__, or a class attribute
-            found = hasattr(cls, private.name) or f"self.{private.name}" in inspect.getsource(cls)
-            assert found, f"{cls.__name__} no longer sets {label}"
-            continue
-        method = getattr(cls, private.name, None)
-        assert callable(method), f"{cls.__name__} has no {label}"
-        params = tuple(inspect.signature(method).parameters)
-        assert params[: len(private.params)] == private.params, (
-            f"{cls.__name__}.{private.name}{params}: {label}"
-        )
-
-
-# ---------------------------------------------------------------------------- accessors
+    return False if isinstance(trainer, trl.RLOOTrainer) else bool(trainer._entropy_bonus_enabled)
 
 
 def metrics(trainer: Any, mode: str = "train") -> dict[str, list]:

@@ -1,9 +1,10 @@
 """Every veRL private the veRL plugin relies on, in one place.
 
-Each :class:`Private` names a function, method, field or layout fact of veRL the plugin uses,
-the version it was read from, and why; ``tests/verl/test_verl_engine.py``
-(``test_verl_privates_are_where_the_plugin_expects_them``) checks every entry against the installed veRL, so an upgrade that changes one fails in one test with the
-entry's name. The accessors below are the plugin's only way into veRL's internals.
+Each :class:`~forkrl.core.compat.Private` (the one form core and every plugin use) names a
+function, method, field or layout fact of veRL the plugin uses, the version it was read from, and
+why; ``tests/verl/test_verl_contract.py`` checks every entry against the installed veRL, so an
+upgrade that changes one fails in one test with the entry's name. The accessors below are the
+plugin's only way into veRL's internals.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
-from forkrl.core.compat import Private, check_private, parameter_names
+from forkrl.core.compat import Private, parameter_names
 
 from ..fields import has_content
 
@@ -23,7 +24,6 @@ __all__ = [
     "PRIVATES",
     "ROW_LOCAL_LOSSES",
     "Private",
-    "check",
     "fixed_micro_batch_count",
     "global_batch_info",
     "micro_batches",
@@ -183,63 +183,88 @@ def _prefix_grouper() -> None:
 
 PRIVATES: tuple[Private, ...] = (
     Private(
+        "veRL",
         "FSDPEngine.forward_backward_batch / FSDPEngineWithLMHead.forward_step",
         "overridden (forward_backward_batch) and mirrored: the global token count, dp size and sp size it sets "
         "before micro-batching feed veRL's loss normalisation",
         _engine_methods,
+        CHECKED,
     ),
     Private(
+        "veRL",
         "engine.utils.prepare_micro_batches / postprocess_batch_func",
         "the host's own micro-batch partition (fixed or dynamic) is kept, and its outputs reordered as stock",
         _micro_batching,
+        CHECKED,
     ),
     Private(
+        "veRL",
         "prepare_model_outputs: nested log_probs/entropy over whole rows, rolled by one",
         "the tree's scores are placed in the same layout (RowLayout.packed, align='next')",
         _output_layout,
+        CHECKED,
     ),
     Private(
+        "veRL",
         "workers.utils.padding.no_padding_2_padding",
         "veRL's loss reads the response's scores at [offset - resp_len - 1, offset - 1); prompt lengths come "
         "from the same fields",
         _loss_slicing,
+        CHECKED,
     ),
     Private(
+        "veRL",
         "FSDPActorConfig.__post_init__ copies actor.strategy onto engine_config",
         "forkrl's config subclass names the engine backend after that copy (the actor keeps strategy fsdp2)",
         _actor_config,
+        CHECKED,
     ),
     Private(
+        "veRL",
         "utils.ulysses.{get,set}_ulysses_sequence_parallel_group; _ulysses_flash_attention_forward",
         "the tree runs whole sequences on every rank of a Ulysses group: the group is unset inside its passes, "
         "so the patched attention entry does no all-to-all",
         _ulysses,
+        CHECKED,
     ),
     Private(
+        "veRL",
         "models.transformers.monkey_patch.apply_monkey_patch (Qwen-VL family); utils.model.extract_multi_modal_inputs",
         "veRL replaces the vision-language classes' forwards (its packed flash-attention, no cache): tree passes "
         "run transformers' own (transformers_forwards); each row's multi_modal_inputs are its images in order",
         _vlm_patches,
+        CHECKED,
     ),
-    Private("EngineRegistry.register", "forkrl's engine is registered under backend fsdp2_tree", _registry),
     Private(
+        "veRL",
+        "EngineRegistry.register",
+        "forkrl's engine is registered under backend fsdp2_tree",
+        _registry,
+        CHECKED,
+    ),
+    Private(
+        "veRL",
         "actor.use_prefix_grouper reaches neither the FSDP engine, the engine workers nor the v1 trainer",
         "accepted beside the tree as harmless (veRL's own prefix sharing would change the engine's forward)",
         _prefix_grouper,
+        CHECKED,
     ),
-    Private("verl.utils.tensordict_utils", "non-tensor batch fields (flags, normalisers)", _tensordict_utils),
     Private(
+        "veRL",
+        "verl.utils.tensordict_utils",
+        "non-tensor batch fields (flags, normalisers)",
+        _tensordict_utils,
+        CHECKED,
+    ),
+    Private(
+        "veRL",
         "left_right_2_no_padding's layout fields; agg_loss's global normalisers; the row-local policy losses",
         "tree_balance recomputes max_seq_len, max_response_len and indices for the moved rows, and moves rows "
         "only where every loss term is normalised by the mini-batch's global counts",
         _balance_facts,
+        CHECKED,
     ),
 )
-
-
-def check(private: Private) -> None:
-    """Raise AssertionError naming the entry when the installed veRL no longer matches it."""
-    check_private(private, "veRL", CHECKED)
 
 
 # ---------------------------------------------------------------------------- accessors

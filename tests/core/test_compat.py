@@ -26,6 +26,34 @@ def test_private_is_where_core_expects_it(private):
         )
 
 
+def test_every_core_entry_is_one_registry_form():
+    """Core's entries are :class:`compat.Private` (the form every plugin uses), each naming its host
+    and the versions it was checked against; gathered area by area, none twice."""
+    assert all(isinstance(p, compat.Private) for p in compat.PRIVATES)
+    assert {p.host for p in compat.PRIVATES} == {"transformers", "torch"}
+    assert all(p.checked == compat.CHECKED for p in compat.PRIVATES)
+    assert len({p.name for p in compat.PRIVATES}) == len(compat.PRIVATES)
+
+
+def test_a_failing_check_says_what_changed_in_the_host():
+    def probe():
+        raise AttributeError("type object 'Cache' has no attribute 'layers'")
+
+    private = compat.Private(
+        "transformers", "Cache.layers", "the executor replaces a cache's layers", probe, "x 1.0"
+    )
+    with pytest.raises(AssertionError) as err:
+        private.check()
+    message = str(err.value)
+    for part in (
+        "transformers changed: Cache.layers",
+        "has no attribute 'layers'",
+        "replaces a cache's layers",
+        "x 1.0",
+    ):
+        assert part in message, message
+
+
 def test_the_dev_environment_pins_the_checked_transformers():
     """The test environment installs the transformers the privates were checked against (CI must not
     test whatever release came out that day), and this run uses it."""

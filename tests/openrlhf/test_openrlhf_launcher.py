@@ -13,16 +13,11 @@ from pathlib import Path
 import pytest
 
 from forkrl.core.options import option_docs
-from forkrl.plugins.openrlhf import compat
 from forkrl.plugins.openrlhf.options import FLAG_OVERRIDES, FLAGS, ForkrlOptions, parse_flags
 
 from . import harness as h
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def test_contract():
-    compat.check()
 
 
 def test_deepspeed_contract():

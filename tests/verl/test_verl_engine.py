@@ -293,13 +293,6 @@ def test_per_sample_temperatures_are_refused(model_path):
         tree.infer_batch(td)
 
 
-def test_verl_privates_are_where_the_plugin_expects_them():
-    from forkrl.plugins.verl import compat
-
-    for private in compat.PRIVATES:
-        compat.check(private)
-
-
 @pytest.mark.parametrize("name", ["deepseekv3", "kimik2"])
 def test_multi_head_latent_attention_models_equal_stock(name, tmp_path):
     """DeepSeek-V3- and Kimi-K2-shaped models (MLA + MoE) through veRL's engine: the update equals

@@ -1,0 +1,31 @@
+"""Every OpenRLHF name the plugin swaps and every private it relies on
+(:data:`forkrl.plugins.openrlhf.compat.PRIVATES`, the swaps first) is where the plugin expects it in the
+installed OpenRLHF: one test per entry, so an upgrade that moves one fails here with the entry's name
+and reason."""
+
+from __future__ import annotations
+
+import pytest
+
+from forkrl.core.compat import Private
+from forkrl.plugins.openrlhf import compat
+
+
+@pytest.mark.parametrize("private", compat.PRIVATES, ids=lambda p: p.name)
+def test_openrlhf_private_is_where_the_plugin_expects_it(private):
+    assert isinstance(private, Private) and private.host == "OpenRLHF"
+    private.check()
+
+
+def test_only_listed_names_are_swapped():
+    """:func:`compat.swapped` refuses a name :data:`compat.SWAPS` does not list, and restores what it swapped."""
+    import openrlhf.trainer.ray.ppo_actor as ppo_actor
+
+    assert all(swap in compat.PRIVATES for swap in compat.SWAPS)
+    with pytest.raises(AssertionError, match="not listed in compat.SWAPS"):
+        with compat.swapped(ppo_actor, PolicyModelActorTypo=object):
+            pass
+    original = ppo_actor.PolicyModelActor
+    with compat.swapped("openrlhf.trainer.ray.ppo_actor", PolicyModelActor=object):
+        assert ppo_actor.PolicyModelActor is object
+    assert ppo_actor.PolicyModelActor is original
