@@ -140,14 +140,13 @@ def test_speculative_rollout_under_bf16_keeps_greedy_rollouts(tmp_path):
     float32 weights) and the policy's verification run under TRL's autocast, and greedy completions
     are token-identical to stock TRL's (deterministic here; in bf16 a near-tie could flip an argmax
     between a one-token and a multi-token forward, in stock generation as well)."""
-    from .test_trl_speculative import SPEC, _run
-    from .trl_helpers import save_tiny_llama
+    from .trl_helpers import SPEC, run_recording_rollouts, save_tiny_llama
 
     path = save_tiny_llama(tmp_path / "m")
     greedy = dict(generation_kwargs={"do_sample": False}, bf16=True)
     seen_stock, seen_spec = [], []
-    _run(path, tmp_path / "s", False, seen_stock, **greedy)
-    _, trainer = _run(path, tmp_path / "t", True, seen_spec, **greedy, **SPEC)
+    run_recording_rollouts(path, tmp_path / "s", False, seen_stock, **greedy)
+    _, trainer = run_recording_rollouts(path, tmp_path / "t", True, seen_spec, **greedy, **SPEC)
     assert len(seen_spec) == 24 and seen_spec == seen_stock
     assert any(h.get("spec/target_calls", 0) > 0 for h in trainer.state.log_history)
 

@@ -17,11 +17,7 @@ trl = pytest.importorskip("trl")
 from forkrl.core import quant  # noqa: E402
 from forkrl.plugins import trl as ftrl  # noqa: E402
 
-from .trl_helpers import base_args, prompt_dataset, save_tiny_llama  # noqa: E402
-
-SPEC = dict(
-    speculative_rollout=True, speculative_group_size=32, speculative_policy="always", speculative_draft_len=3
-)
+from .trl_helpers import SPEC, run_recording_rollouts, save_tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -29,31 +25,11 @@ def model_path(tmp_path_factory) -> str:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-spec"))
 
 
-def _letters(c):
-    return sum(1 for t in c if 97 <= t <= 101) / max(1, len(c))
-
-
-def _run(model_path, out, forkrl: bool, seen: list, score=_letters, **kw):
-    def reward(completion_ids, **_):
-        seen.extend(tuple(c) for c in completion_ids)
-        return [score(c) for c in completion_ids]
-
-    spec = {k: kw.pop(k) for k in list(kw) if k.startswith("speculative") or k.startswith("tree")}
-    args = base_args(out, max_completion_length=10, **kw)
-    if forkrl:
-        config, cls = ftrl.GRPOConfig(**args, **spec), ftrl.GRPOTrainer
-    else:
-        config, cls = trl.GRPOConfig(**args), trl.GRPOTrainer
-    trainer = cls(model=model_path, reward_funcs=reward, args=config, train_dataset=prompt_dataset())
-    trainer.train()
-    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, trainer
-
-
 def test_greedy_rollouts_equal_stock(model_path, tmp_path):
     greedy = dict(generation_kwargs={"do_sample": False})
     seen_stock, seen_spec = [], []
-    stock, _ = _run(model_path, tmp_path / "s", False, seen_stock, **greedy)
-    spec, trainer = _run(model_path, tmp_path / "t", True, seen_spec, **greedy, **SPEC)
+    stock, _ = run_recording_rollouts(model_path, tmp_path / "s", False, seen_stock, **greedy)
+    spec, trainer = run_recording_rollouts(model_path, tmp_path / "t", True, seen_spec, **greedy, **SPEC)
     assert len(seen_spec) == 3 * 8 and seen_spec == seen_stock  # token-identical completions, step after step
     # (Greedy groups are identical, so advantages and the update are zero in both runs.)
     diff = {n: (spec[n] - stock[n]).abs().max().item() for n in stock if not torch.equal(spec[n], stock[n])}
@@ -81,7 +57,7 @@ def test_sampling_with_tree_packing_refreshes_the_drafter(model_path, tmp_path, 
     monkeypatch.setattr(ftrl.GRPOTrainer, "_speculative_sampler", snapshot)
     seen: list = []
     mean_id = lambda c: sum(c) / (260.0 * len(c))  # noqa: E731  (varies within every group)
-    _, trainer = _run(
+    _, trainer = run_recording_rollouts(
         model_path, tmp_path / "t", True, seen, score=mean_id, max_steps=3, tree_packing=True, **SPEC
     )
     # One generation per optimizer step (steps_per_generation = gradient_accumulation_steps): the
@@ -107,7 +83,7 @@ def test_sampling_with_tree_packing_refreshes_the_drafter(model_path, tmp_path, 
 def test_auto_policy_calibrates_and_logs(model_path, tmp_path):
     seen: list = []
     auto = {k: v for k, v in SPEC.items() if k != "speculative_draft_len"} | {"speculative_policy": "auto"}
-    _, trainer = _run(model_path, tmp_path / "a", True, seen, max_steps=1, **auto)
+    _, trainer = run_recording_rollouts(model_path, tmp_path / "a", True, seen, max_steps=1, **auto)
     policy = trainer._spec_rollout.current.policy
     assert policy.mode == "auto" and policy.cost_model is not None
     last = [h for h in trainer.state.log_history if "spec/speculated_fraction" in h][-1]

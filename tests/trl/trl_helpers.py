@@ -181,3 +181,39 @@ def relative_difference(
         change = max(change, (pb - base).abs().max().item())
     assert change > 0, "the reference run did not change the parameters"
     return diff / change
+
+
+#: speculative_rollout on every step, drafts of 3 tokens (the TRL speculative and precision tests).
+SPEC = dict(
+    speculative_rollout=True, speculative_group_size=32, speculative_policy="always", speculative_draft_len=3
+)
+
+
+def letter_share(completion: list[int]) -> float:
+    """The share of a completion's tokens that are the letters a..e."""
+    return sum(1 for t in completion if 97 <= t <= 101) / max(1, len(completion))
+
+
+def run_recording_rollouts(
+    model_path: str, out: Path, forkrl: bool, seen: list, score: Callable = letter_share, **kw: Any
+) -> tuple[dict[str, torch.Tensor], Any]:
+    """Train stock TRL (forkrl=False) or the plugin (forkrl=True, its ``speculative*``/``tree*``
+    options from ``kw``) with completions of up to 10 tokens, appending every completion the reward
+    sees to ``seen``; returns all parameters and the trainer."""
+    import trl
+
+    from forkrl.plugins import trl as ftrl
+
+    def reward(completion_ids, **_):
+        seen.extend(tuple(c) for c in completion_ids)
+        return [score(c) for c in completion_ids]
+
+    spec = {k: kw.pop(k) for k in list(kw) if k.startswith("speculative") or k.startswith("tree")}
+    args = base_args(out, max_completion_length=10, **kw)
+    if forkrl:
+        config, cls = ftrl.GRPOConfig(**args, **spec), ftrl.GRPOTrainer
+    else:
+        config, cls = trl.GRPOConfig(**args), trl.GRPOTrainer
+    trainer = cls(model=model_path, reward_funcs=reward, args=config, train_dataset=prompt_dataset())
+    trainer.train()
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, trainer
