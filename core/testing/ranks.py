@@ -152,9 +152,9 @@ def run_on_ranks(
 
     Each rank is a fresh interpreter (one OpenMP thread unless ``env`` says otherwise) with
     torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
-    ``MASTER_PORT`` on a free port); with ``init_group`` it joins a gloo group before ``fn`` runs
-    (leave it off when the host code under test starts the group from those variables:
-    accelerate, DeepSpeed). After ``fn`` returns, every rank waits for the others and the group is
+    ``MASTER_PORT`` on a free port); with ``init_group`` it joins a gloo group before ``fn`` runs,
+    unless importing ``fn``'s module started one (leave it off when the host code under test starts
+    the group from those variables: accelerate, DeepSpeed, a harness imported inside ``fn``). After ``fn`` returns, every rank waits for the others and the group is
     destroyed.
 
     Args:
@@ -288,7 +288,8 @@ def _rank_main(call_path: str, result_path: str) -> None:
         if init_group:
             import torch.distributed as dist
 
-            dist.init_process_group("gloo")
+            if not dist.is_initialized():  # fn's module may have started it (a host harness on import)
+                dist.init_process_group("gloo")
         outcome = (True, fn(*args, **kwargs))
     except BaseException:  # noqa: BLE001 (every failure goes back to the parent, as text)
         outcome = (False, traceback.format_exc())
