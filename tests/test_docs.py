@@ -206,14 +206,20 @@ def _exists(name: str) -> bool:
     return any(ROOT.glob(name.rstrip("/"))) if "*" in name else (ROOT / name).exists()
 
 
-def test_pages_name_real_modules():
-    """A `core/...` or `plugins/...` path in backticks on any page exists (modules move: say where)."""
+# A repository path in backticks: core/, plugins/, scripts/, benchmarks/ or a tests/ folder, with an
+# optional pytest node id (tests/core/test_x.py::test_y). Top-level tests/test_*.py are left out: the
+# pages also name TRL's own test files by their path in TRL.
+_REPO_PATH = re.compile(r"`((?:core|plugins|scripts|benchmarks|tests/[a-z_]+)/[\w./*-]*)(?:::[^`]*)?`")
+
+
+def test_pages_name_real_paths():
+    """Every repository path a page names in backticks exists (modules move: the message says where)."""
     bad = []
     for page in PAGES:
-        for path in sorted(set(re.findall(r"`((?:core|plugins)/[\w./-]*)`", page.read_text()))):
-            if not (ROOT / path.rstrip("/")).exists():
+        for path in sorted(set(_REPO_PATH.findall(page.read_text()))):
+            if not _exists(path):
                 bad.append(f"{page.relative_to(ROOT)}: `{path}`")
-    assert not bad, "pages name paths that do not exist (name where the module is now): " + "; ".join(bad)
+    assert not bad, "pages name paths that do not exist (name where the file is now): " + "; ".join(bad)
 
 
 def test_layout_section_parses():
