@@ -218,7 +218,49 @@ def parameters(t) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
+def train_rounds(args, tree: bool, rounds, kl_ctl: float, model=None):
+    """A trainer (forkrl's with ``tree``, OpenRLHF's without) trained on ``rounds`` (one list of
+    experiences per ``ppo_train``, the DataLoader's shuffle seeded); returns it and each round's status."""
+    t = trainer(args, tree=tree, model=model() if model is not None else None)
+    statuses = []
+    for experiences in rounds:
+        fill(t, experiences)
+        torch.manual_seed(123)  # the DataLoader's shuffle
+        with cpu():
+            statuses.append(t.ppo_train(kl_ctl))
+        t.replay_buffer.clear()
+    return t, statuses
+
+
+def agreement(stock, tree, model=None) -> tuple[float, float]:
+    """``(|stock's update|, |tree - stock| / |stock's update|)`` over the actor's parameters, from the
+    initial weights ``model()`` (default ``byte_llama(0)``)."""
+    before = dict((model or (lambda: byte_llama(0)))().named_parameters())
+    p_stock, p_tree = parameters(stock), parameters(tree)
+    change = torch.cat([(p_stock[n] - before[n].detach()).flatten() for n in before]).norm()
+    diff = torch.cat([(p_tree[n] - p_stock[n]).flatten() for n in before]).norm()
+    return float(change), float(diff / change)
+
+
+def policy_actor(t, cls):
+    """A policy actor of class ``cls`` around trainer ``t``, as ``init_model_from_pretrained`` leaves it."""
+    a = object.__new__(cls)
+    a.actor, a.trainer, a.strategy = t.actor, t, t.strategy
+    return a
+
+
+def reference_actor(t, cls):
+    """A reference actor of class ``cls`` on ``t``'s model, with the tree scorer its init builds."""
+    from forkrl.core import TreeStep
+
+    a = object.__new__(cls)
+    a.model, a.strategy = t.actor, t.strategy
+    a.tree_step = TreeStep(t.tree_options, temperature=t.actor.temperature, gather=gathered)
+    return a
+
+
 __all__ = [
+    "agreement",
     "command",
     "cpu",
     "experience",
@@ -226,7 +268,10 @@ __all__ = [
     "lora_model",
     "parameters",
     "parse_args",
+    "policy_actor",
+    "reference_actor",
     "rollouts",
     "save_model",
+    "train_rounds",
     "trainer",
 ]

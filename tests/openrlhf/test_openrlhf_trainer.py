@@ -39,26 +39,6 @@ CONFIGS = [
 ]  # fmt: skip
 
 
-def _run(args, tree: bool, rounds, kl_ctl: float, model=None):
-    t = h.trainer(args, tree=tree, model=model() if model is not None else None)
-    statuses = []
-    for experiences in rounds:
-        h.fill(t, experiences)
-        torch.manual_seed(123)  # the DataLoader's shuffle
-        with h.cpu():
-            statuses.append(t.ppo_train(kl_ctl))
-        t.replay_buffer.clear()
-    return t, statuses
-
-
-def _agreement(stock, tree, model=None) -> tuple[float, float]:
-    before = dict((model or (lambda: byte_llama(0)))().named_parameters())
-    p_stock, p_tree = h.parameters(stock), h.parameters(tree)
-    change = torch.cat([(p_stock[n] - before[n].detach()).flatten() for n in before]).norm()
-    diff = torch.cat([(p_tree[n] - p_stock[n]).flatten() for n in before]).norm()
-    return float(change), float(diff / change)
-
-
 def _rounds(per_token: bool, n_rounds: int = 2):
     return [
         [h.experience(h.rollouts(seed=10 * r + k), seed=10 * r + k, per_token=per_token) for k in range(2)]
@@ -75,10 +55,10 @@ def test_tree_trainer_matches_stock(name, extra, per_token):
     args = h.parse_args(argv)
     rounds = _rounds(per_token)
     kl_ctl = 0.05 if "--algo.kl.use_loss" in extra else 0.0
-    stock, s_status = _run(args, tree=False, rounds=rounds, kl_ctl=kl_ctl)
-    tree, t_status = _run(args, tree=True, rounds=rounds, kl_ctl=kl_ctl)
+    stock, s_status = h.train_rounds(args, tree=False, rounds=rounds, kl_ctl=kl_ctl)
+    tree, t_status = h.train_rounds(args, tree=True, rounds=rounds, kl_ctl=kl_ctl)
 
-    change, rel = _agreement(stock, tree)
+    change, rel = h.agreement(stock, tree)
     assert change > 1e-2, "the update is too small to compare"
     assert rel < 1e-5, f"{name}: parameters differ by {rel:.2e} of the update"
     if "zero-stage-3" in name:  # the parameters really are partitions (the tiny model's too)
@@ -110,9 +90,9 @@ def test_packing_samples_is_accepted_and_exact():
     )
     assert args.ds.packing_samples
     rounds = _rounds(False)
-    stock, _ = _run(args, tree=False, rounds=rounds, kl_ctl=0.0)
-    tree, _ = _run(args, tree=True, rounds=rounds, kl_ctl=0.0)
-    change, rel = _agreement(stock, tree)
+    stock, _ = h.train_rounds(args, tree=False, rounds=rounds, kl_ctl=0.0)
+    tree, _ = h.train_rounds(args, tree=True, rounds=rounds, kl_ctl=0.0)
+    change, rel = h.agreement(stock, tree)
     assert change > 1e-2 and rel < 1e-5, rel
 
 
@@ -133,16 +113,16 @@ def test_moe_router_aux_loss_matches_stock(dynamic):
     argv[argv.index("--ds.zero_stage") + 1] = "0" if dynamic else "2"
     args = h.parse_args(argv)
     rounds = _rounds(False)
-    stock, s_status = _run(args, tree=False, rounds=rounds, kl_ctl=0.0, model=_moe)
-    tree, t_status = _run(args, tree=True, rounds=rounds, kl_ctl=0.0, model=_moe)
-    change, rel = _agreement(stock, tree, model=_moe)
+    stock, s_status = h.train_rounds(args, tree=False, rounds=rounds, kl_ctl=0.0, model=_moe)
+    tree, t_status = h.train_rounds(args, tree=True, rounds=rounds, kl_ctl=0.0, model=_moe)
+    change, rel = h.agreement(stock, tree, model=_moe)
     assert change > 1e-2 and rel < 1e-5, rel
     for a, b in zip(s_status, t_status, strict=True):
         assert abs(a["policy_loss"] - b["policy_loss"]) <= 1e-5 * max(1.0, abs(a["policy_loss"]))
     if not dynamic:  # the comparison can fail: without the router loss the update differs
         args.actor.aux_loss_coef = 0.0
-        plain, _ = _run(args, tree=False, rounds=rounds, kl_ctl=0.0, model=_moe)
-        assert _agreement(stock, plain, model=_moe)[1] > 1e-3
+        plain, _ = h.train_rounds(args, tree=False, rounds=rounds, kl_ctl=0.0, model=_moe)
+        assert h.agreement(stock, plain, model=_moe)[1] > 1e-3
 
 
 @pytest.mark.parametrize("stage", ["0", "3"])
@@ -161,9 +141,9 @@ def test_dynamic_batch_matches_stock(stage):
     argv[argv.index("--ds.zero_stage") + 1] = stage
     args = h.parse_args(argv)
     rounds = _rounds(False)
-    stock, s_status = _run(args, tree=False, rounds=rounds, kl_ctl=0.0)
-    tree, t_status = _run(args, tree=True, rounds=rounds, kl_ctl=0.0)
-    change, rel = _agreement(stock, tree)
+    stock, s_status = h.train_rounds(args, tree=False, rounds=rounds, kl_ctl=0.0)
+    tree, t_status = h.train_rounds(args, tree=True, rounds=rounds, kl_ctl=0.0)
+    change, rel = h.agreement(stock, tree)
     assert change > 1e-2 and rel < 1e-5, rel
     for a, b in zip(s_status, t_status, strict=True):
         assert abs(a["policy_loss"] - b["policy_loss"]) <= 1e-5 * max(1.0, abs(a["policy_loss"]))
@@ -235,24 +215,6 @@ def test_deepspeed_zero2_keeps_only_the_last_backward_without_accumulation():
     assert updates[3] == pytest.approx([1.0, 1.0, 0.0, 0.0], abs=1e-5)
 
 
-def _policy_actor(t, cls):
-    """A policy actor of class ``cls`` around trainer ``t``, as ``init_model_from_pretrained`` leaves it."""
-    a = object.__new__(cls)
-    a.actor, a.trainer, a.strategy = t.actor, t, t.strategy
-    return a
-
-
-def _reference_actor(t, cls):
-    """A reference actor of class ``cls`` on ``t``'s model, with the tree scorer its init builds."""
-    from forkrl.core import TreeStep
-    from forkrl.plugins.deepspeed import gathered
-
-    a = object.__new__(cls)
-    a.model, a.strategy = t.actor, t.strategy
-    a.tree_step = TreeStep(t.tree_options, temperature=t.actor.temperature, gather=gathered)
-    return a
-
-
 @pytest.mark.parametrize("stage", ["2", "3"])
 def test_policy_and_reference_actors_tree_score_like_openrlhf(stage):
     """forkrl's Ray actor classes (their forward, as Ray runs it in the worker) against OpenRLHF's:
@@ -272,7 +234,7 @@ def test_policy_and_reference_actors_tree_score_like_openrlhf(stage):
     e = h.experience(h.rollouts(seed=5), seed=5)
     inputs = (e.sequences, e.action_mask, e.attention_mask)
 
-    policy, reference = partial(_policy_actor, t), partial(_reference_actor, t)
+    policy, reference = partial(h.policy_actor, t), partial(h.reference_actor, t)
 
     with h.cpu():
         for host, ours in (
@@ -356,7 +318,7 @@ def test_experience_maker_text_samples_are_tree_scored(monkeypatch):
         )  # fmt: skip
     batches = [Experience.concat_experiences(samples[i : i + 4], 0) for i in range(0, len(samples), 4)]
 
-    policy, reference = partial(_policy_actor, t), partial(_reference_actor, t)
+    policy, reference = partial(h.policy_actor, t), partial(h.reference_actor, t)
 
     class Group:  # one in-process actor for the Ray group: its method per micro-batch, as the workers run it
         def __init__(self, actor):
@@ -414,14 +376,14 @@ def test_lora_policy_matches_stock(saved_model, stage, targets):
     args = h.parse_args(argv)
     model = partial(h.lora_model, saved_model, args)
     rounds = _rounds(False)
-    stock, s_status = _run(args, tree=False, rounds=rounds, kl_ctl=0.0, model=model)
-    tree, t_status = _run(args, tree=True, rounds=rounds, kl_ctl=0.0, model=model)
+    stock, s_status = h.train_rounds(args, tree=False, rounds=rounds, kl_ctl=0.0, model=model)
+    tree, t_status = h.train_rounds(args, tree=True, rounds=rounds, kl_ctl=0.0, model=model)
     module = tree.actor.model.module
     trained = {n for n, p in module.named_parameters() if p.requires_grad}
     assert type(module).__name__ == "PeftModelForCausalLM" and trained and all("lora_" in n for n in trained)
     if targets:
         assert {n.split(".")[-4] for n in trained} == {"q_proj", "v_proj", "down_proj"}
-    change, rel = _agreement(stock, tree, model=model)
+    change, rel = h.agreement(stock, tree, model=model)
     assert change > 1e-2 and rel < 1e-5, (change, rel)
     for a, b in zip(s_status, t_status, strict=True):
         assert abs(a["policy_loss"] - b["policy_loss"]) <= 1e-5 * max(1.0, abs(a["policy_loss"]))
