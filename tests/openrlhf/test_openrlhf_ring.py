@@ -11,103 +11,111 @@ stand-in (sdpa on each rank's slice gives another update).
 
 from __future__ import annotations
 
-from pathlib import Path
+from forkrl.core.testing.ranks import run_on_ranks
 
-from forkrl.core.testing.ranks import rank_lines, torchrun
 
-ROOT = Path(__file__).resolve().parents[2]
+def _ring_rank() -> dict[str, tuple[float, float]]:
+    """One rank of the ring group: per comparison its ``(value, change)``: the relative difference
+    of the update (or the loss, the scores) from the reference's, and the reference's update norm
+    (1 where there is none); ``score-share`` is the share of the batch's rows this rank scored and
+    ``bf16-near`` the bf16 criterion's nearness."""
+    import torch
+    from openrlhf.trainer.ray.launcher import ReferenceModelActor
+    from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
-_SCRIPT = r"""
-import sys
-sys.path.insert(0, {root!r})
-import torch, torch.distributed as dist
-from tests.openrlhf import harness as h, ring_cpu
-from tests.openrlhf.test_openrlhf_trainer import _agreement
-from forkrl.core.testing import Bf16Rounding
-from forkrl.core.testing.ranks import finish, report
-ring_cpu.install()
-rank = dist.get_rank()
-rounds = [[h.experience(h.rollouts(seed=10 * r + k), seed=10 * r + k) for k in range(2)] for r in range(2)]
+    from forkrl.core.testing import Bf16Rounding
+    from forkrl.core.testing.models import max_rel_err
+    from forkrl.plugins.openrlhf import actors
+    from forkrl.plugins.openrlhf import trainer as tree_trainer
+    from tests.openrlhf import harness as h
+    from tests.openrlhf import ring_cpu
 
-def args(*extra, batch=16, ring=True):
-    argv = h.command("unused", "--actor.entropy_coef", "0.01", *extra, batch=batch)
-    return h.parse_args(argv + (["--ds.ring_attn_size", "2", "--ds.packing_samples"] if ring else []))
+    ring_cpu.install()
+    rounds = [
+        [h.experience(h.rollouts(seed=10 * r + k), seed=10 * r + k) for k in range(2)] for r in range(2)
+    ]
 
-def run(a, tree=False, flash=True, bf16=False):
-    t = h.trainer(a, tree=tree, bf16=bf16)
-    if not tree and a.ds.ring_attn_size > 1:
-        ring_cpu.use_ring(t, flash=flash)
-    statuses = []
-    for experiences in rounds:
-        h.fill(t, experiences)
-        torch.manual_seed(123)
-        with h.cpu():
-            statuses.append(t.ppo_train(0.0))
-        t.replay_buffer.clear()
-    return t, statuses
+    def args(*extra, batch=16, ring=True):
+        argv = h.command("unused", "--actor.entropy_coef", "0.01", *extra, batch=batch)
+        return h.parse_args(argv + (["--ds.ring_attn_size", "2", "--ds.packing_samples"] if ring else []))
 
-tree_flag = "--forkrl.tree_packing"
-runs = {{
-    "dp": run(args(batch=32, ring=False)),  # one optimizer step per round either way
-    "ring-sdpa": run(args(), flash=False),
-    "ring": run(args()),
-    "tree": run(args(tree_flag), tree=True),
-    "replay": run(args("--forkrl.long_context_replay"), tree=True),
-    "ring-zero3": run(args("--ds.zero_stage", "3")),
-    "tree-zero3": run(args(tree_flag, "--ds.zero_stage", "3"), tree=True),
-    "ring-one": run(args(batch=2)),  # one micro-batch per window: both ranks run it
-    "tree-one": run(args(tree_flag, batch=2), tree=True),
-    "ring-bf16": run(args(), bf16=True),
-    "tree-bf16": run(args(tree_flag), tree=True, bf16=True),
-}}
-lines = []
-for name, ref in (("dp", "ring"), ("ring-sdpa", "ring"), ("tree", "ring"), ("replay", "ring"),
-                  ("tree-zero3", "ring-zero3"), ("tree-one", "ring-one")):
-    change, rel = _agreement(runs[ref][0], runs[name][0])
-    lines.append(f"RANK {{rank}} {{name}} REL {{rel:.3e}} CHANGE {{change:.3e}}")
-    if name.startswith("tree"):
-        s, t = runs[ref][1][-1], runs[name][1][-1]
-        lines.append(f"RANK {{rank}} {{name}}-loss REL {{abs(s['policy_loss'] - t['policy_loss']) / abs(s['policy_loss']):.3e}} CHANGE 1")
-# Old-policy and reference scoring through forkrl's actors (as Ray runs them), one batch on both ranks
-# of the ring, as OpenRLHF sends it: each rank scores its share of the rows (counted through the
-# layouts it builds), every rank returns the whole batch, equal to OpenRLHF's own actors'.
-from openrlhf.trainer.ray.launcher import ReferenceModelActor
-from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
-from forkrl.core.testing.models import max_rel_err
-from forkrl.plugins.openrlhf import actors, trainer as tree_trainer
-from tests.openrlhf.test_openrlhf_trainer import _policy_actor, _reference_actor
-t = runs["tree"][0]
-e = h.experience(h.rollouts(seed=5), seed=5)
-inputs = (e.sequences, e.action_mask, e.attention_mask)
-rows, layout = [], tree_trainer._layout
-tree_trainer._layout = lambda s, a, m: rows.append(s.shape[0]) or layout(s, a, m)
-with h.cpu():
-    for name, build, host, ours in (
-        ("policy", _policy_actor, PolicyModelActor, actors.TreePolicyModelActor),
-        ("reference", _reference_actor, ReferenceModelActor, actors.TreeReferenceModelActor),
+    def run(a, tree=False, flash=True, bf16=False):
+        t = h.trainer(a, tree=tree, bf16=bf16)
+        if not tree and a.ds.ring_attn_size > 1:
+            ring_cpu.use_ring(t, flash=flash)
+        statuses = []
+        for experiences in rounds:
+            h.fill(t, experiences)
+            torch.manual_seed(123)
+            with h.cpu():
+                statuses.append(t.ppo_train(0.0))
+            t.replay_buffer.clear()
+        return t, statuses
+
+    tree_flag = "--forkrl.tree_packing"
+    runs = {
+        "dp": run(args(batch=32, ring=False)),  # one optimizer step per round either way
+        "ring-sdpa": run(args(), flash=False),
+        "ring": run(args()),
+        "tree": run(args(tree_flag), tree=True),
+        "replay": run(args("--forkrl.long_context_replay"), tree=True),
+        "ring-zero3": run(args("--ds.zero_stage", "3")),
+        "tree-zero3": run(args(tree_flag, "--ds.zero_stage", "3"), tree=True),
+        "ring-one": run(args(batch=2)),  # one micro-batch per window: both ranks run it
+        "tree-one": run(args(tree_flag, batch=2), tree=True),
+        "ring-bf16": run(args(), bf16=True),
+        "tree-bf16": run(args(tree_flag), tree=True, bf16=True),
+    }
+    values = {}
+    for name, ref in (
+        ("dp", "ring"),
+        ("ring-sdpa", "ring"),
+        ("tree", "ring"),
+        ("replay", "ring"),
+        ("tree-zero3", "ring-zero3"),
+        ("tree-one", "ring-one"),
     ):
-        want, got = build(t, host.__ray_actor_class__).forward(*inputs), build(t, ours).forward(*inputs)
-        lines.append(f"RANK {{rank}} score-{{name}} REL {{max_rel_err([got], [want]):.3e}} CHANGE 1")
-tree_trainer._layout = layout
-lines.append(f"RANK {{rank}} score-share REL {{sum(rows) / (2 * e.sequences.shape[0]):.3e}} CHANGE 1")
-before = dict(h.byte_llama(0).named_parameters())
-update = lambda name: torch.cat([(h.parameters(runs[name][0])[n].float() - before[n].detach()).flatten() for n in sorted(before)])
-bf16 = Bf16Rounding("bf16", update("tree-bf16"), update("ring-bf16"), update("ring"))
-lines.append(f"RANK {{rank}} bf16-near REL {{bf16.near:.3e}} CHANGE 1")
-report(*lines)
-finish()
-"""
+        change, rel = h.agreement(runs[ref][0], runs[name][0])
+        values[name] = (rel, change)
+        if name.startswith("tree"):
+            s, t = runs[ref][1][-1], runs[name][1][-1]
+            values[f"{name}-loss"] = (abs(s["policy_loss"] - t["policy_loss"]) / abs(s["policy_loss"]), 1.0)
+    # Old-policy and reference scoring through forkrl's actors (as Ray runs them), one batch on both
+    # ranks of the ring, as OpenRLHF sends it: each rank scores its share of the rows (counted
+    # through the layouts it builds), every rank returns the whole batch, equal to OpenRLHF's own
+    # actors'.
+    t = runs["tree"][0]
+    e = h.experience(h.rollouts(seed=5), seed=5)
+    inputs = (e.sequences, e.action_mask, e.attention_mask)
+    rows, layout = [], tree_trainer._layout
+    tree_trainer._layout = lambda s, a, m: rows.append(s.shape[0]) or layout(s, a, m)
+    with h.cpu():
+        for name, build, host, ours in (
+            ("policy", h.policy_actor, PolicyModelActor, actors.TreePolicyModelActor),
+            ("reference", h.reference_actor, ReferenceModelActor, actors.TreeReferenceModelActor),
+        ):
+            want, got = build(t, host.__ray_actor_class__).forward(*inputs), build(t, ours).forward(*inputs)
+            values[f"score-{name}"] = (max_rel_err([got], [want]), 1.0)
+    tree_trainer._layout = layout
+    values["score-share"] = (sum(rows) / (2 * e.sequences.shape[0]), 1.0)
+    before = dict(h.byte_llama(0).named_parameters())
+
+    def update(name):
+        params = h.parameters(runs[name][0])
+        return torch.cat([(params[n].float() - before[n].detach()).flatten() for n in sorted(before)])
+
+    bf16 = Bf16Rounding("bf16", update("tree-bf16"), update("ring-bf16"), update("ring"))
+    values["bf16-near"] = (bf16.near, 1.0)
+    return values
 
 
-def test_ring_group_equals_stock(tmp_path):
+def test_ring_group_equals_stock():
     """Tree packing (ZeRO-2 and ZeRO-3), long-context replay, a one-micro-batch window, and bf16
     (OpenRLHF's criterion: within half the bf16 gap of stock) under ``--ds.ring_attn_size 2``:
     OpenRLHF's update after two rounds and its logged policy loss. Old-policy and reference scoring:
     OpenRLHF's actors' log-probs, each rank of the ring scoring its share of the rows only."""
-    script = tmp_path / "ring.py"
-    script.write_text(_SCRIPT.format(root=str(ROOT)))
-    lines = rank_lines(torchrun(script, cwd=ROOT, timeout=900).stdout)
-    values = {(int(f[1]), f[2]): (float(f[4]), float(f[6])) for f in (line.split() for line in lines)}
+    ranks = run_on_ranks(_ring_rank, 2, timeout=900)
+    values = {(rank, name): v for rank, per_name in enumerate(ranks) for name, v in per_name.items()}
     names = {"dp", "ring-sdpa", "tree", "replay", "tree-zero3", "tree-one", "bf16-near"}
     names |= {f"{n}-loss" for n in ("tree", "tree-zero3", "tree-one")}
     names |= {"score-policy", "score-reference", "score-share"}
