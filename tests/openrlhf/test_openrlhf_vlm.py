@@ -387,68 +387,59 @@ def test_an_unsupported_vision_language_family_is_refused():
         h.trainer(_args(), tree=True, vlm=True)
 
 
-_RANKS = r"""
-import sys
-sys.path.insert(0, {root!r})
-import pytest, torch, torch.distributed as dist
-from tests.openrlhf import harness as h
-from tests.openrlhf import test_openrlhf_vlm as v
-from forkrl.core import UnsupportedModelError
-from forkrl.core.testing.ranks import finish, report
-rank = dist.get_rank()
-mp = pytest.MonkeyPatch()
-args = v._args("--actor.entropy_coef", "0.01", "--ds.zero_stage", {stage!r})
-# The ranks' images differ; under ZeRO-2 rank 1's second round holds a text-only prompt (under ZeRO-3
-# stock's own forward cannot take that: a rank without images skips the vision tower's parameter
-# fetches, which the other rank's collectives then mismatch).
-rounds = v._rounds(args, mp, text_group=rank == 1 and {stage!r} == "2", seed=10 * rank)
-stock, _ = v._train(args, tree=False, rounds=rounds)
-tree, status = v._train(args, tree=True, rounds=rounds)
-before = {{n: p.detach() for n, p in v._model().named_parameters()}}
-p_stock, p_tree = h.parameters(stock), h.parameters(tree)
-change = v._distance(p_stock, before)
-rel = v._distance(p_tree, p_stock) / change
-balanced = int(tree._balance)
-# Video on rank 1 only: both ranks stop before any gradient, neither waits in a collective.
-bad = v._rounds(args, mp, seed=20 + 10 * rank)[0]
-if rank == 1:
-    for e in bad:
-        for mm in e.mm_train_inputs:
-            mm["pixel_values_videos"], mm["video_grid_thw"] = torch.zeros(16, 1176), torch.tensor([[1, 4, 4]])
-t = h.trainer(args, tree=True, model=v._model(), vlm=True)
-start = h.parameters(t)
-h.fill(t, bad)
-try:
-    with h.cpu():
-        t.ppo_train(0.0)
-    outcome = "none"
-except (UnsupportedModelError, RuntimeError) as err:
-    outcome = type(err).__name__
-after = h.parameters(t)
-unchanged = int(all(torch.equal(start[n], after[n]) for n in start) and not v._grads(t))
-report(f"RANK {{rank}} REL {{rel:.3e}} CHANGE {{change:.3e}} BALANCED {{balanced}} REFUSED {{outcome}} UNCHANGED {{unchanged}}")
-finish()
-"""
+def _vlm_rank(stage: str) -> dict:
+    """One rank of stock OpenRLHF and forkrl's trainer on this rank's images: the update's distance
+    from stock's (relative to stock's change), whether rows were balanced, and, with video on rank 1
+    only, the error each rank raised and whether its parameters and gradients stayed untouched."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    mp = pytest.MonkeyPatch()
+    args = _args("--actor.entropy_coef", "0.01", "--ds.zero_stage", stage)
+    # The ranks' images differ; under ZeRO-2 rank 1's second round holds a text-only prompt (under
+    # ZeRO-3 stock's own forward cannot take that: a rank without images skips the vision tower's
+    # parameter fetches, which the other rank's collectives then mismatch).
+    rounds = _rounds(args, mp, text_group=rank == 1 and stage == "2", seed=10 * rank)
+    stock, _ = _train(args, tree=False, rounds=rounds)
+    tree, status = _train(args, tree=True, rounds=rounds)
+    before = {n: p.detach() for n, p in _model().named_parameters()}
+    p_stock, p_tree = h.parameters(stock), h.parameters(tree)
+    change = _distance(p_stock, before)
+    rel = _distance(p_tree, p_stock) / change
+    balanced = bool(tree._balance)
+    # Video on rank 1 only: both ranks stop before any gradient, neither waits in a collective.
+    bad = _rounds(args, mp, seed=20 + 10 * rank)[0]
+    if rank == 1:
+        for e in bad:
+            for mm in e.mm_train_inputs:
+                mm["pixel_values_videos"], mm["video_grid_thw"] = (
+                    torch.zeros(16, 1176),
+                    torch.tensor([[1, 4, 4]]),
+                )
+    t = h.trainer(args, tree=True, model=_model(), vlm=True)
+    start = h.parameters(t)
+    h.fill(t, bad)
+    try:
+        with h.cpu():
+            t.ppo_train(0.0)
+        outcome = None
+    except (UnsupportedModelError, RuntimeError) as err:
+        outcome = type(err).__name__
+    after = h.parameters(t)
+    unchanged = all(torch.equal(start[n], after[n]) for n in start) and not _grads(t)
+    return {"rel": rel, "change": change, "balanced": balanced, "refused": outcome, "unchanged": unchanged}
 
 
 @pytest.mark.parametrize("stage", ["2", "3"], ids=["zero2", "zero3"])
-def test_two_ranks_vlm_equal_stock_and_refuse_together(tmp_path, stage):
+def test_two_ranks_vlm_equal_stock_and_refuse_together(stage):
     """Two gloo ranks with different images (ZeRO-2: one with a text-only prompt): forkrl's update equals
     stock's on both, rows stay in place (``tree_balance auto``); video on one rank only is refused on
     both (the refusing rank's own error, the other's naming it), with nothing changed and no hang."""
-    from pathlib import Path
+    from forkrl.core.testing.ranks import run_on_ranks
 
-    from forkrl.core.testing.ranks import rank_lines, torchrun
-
-    root = Path(__file__).resolve().parents[2]
-    script = tmp_path / "ranks.py"
-    script.write_text(_RANKS.format(root=str(root), stage=stage))
-    lines = rank_lines(torchrun(script, cwd=root).stdout)
-    assert len(lines) == 2, lines
-    for line in lines:
-        fields = line.split()
-        print(line)
-        assert float(fields[3]) < 5e-6 and float(fields[5]) > 1e-2, line
-        assert fields[7] == "0", line
-        assert fields[9] == ("UnsupportedModelError" if fields[1] == "1" else "RuntimeError"), line
-        assert fields[11] == "1", line
+    ranks = run_on_ranks(_vlm_rank, 2, stage)
+    for rank, r in enumerate(ranks):
+        assert r["rel"] < 5e-6 and r["change"] > 1e-2, r
+        assert not r["balanced"], r
+        assert r["refused"] == ("UnsupportedModelError" if rank == 1 else "RuntimeError"), r
+        assert r["unchanged"], r
