@@ -9,44 +9,44 @@ cache shard must be its chunk's share of the single-device cache (~1/C).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+import torch
+import torch.distributed as dist
 
-from forkrl.core.testing.ranks import rank_lines, torchrun
-
-ROOT = Path(__file__).resolve().parents[2]
-TOL = 1e-10
-
-_SCRIPT = r"""
-import sys, torch, torch.distributed as dist
 from forkrl.core import PrefixForest, TreeExecutor
-from forkrl.core.executor.context_parallel import ContextParallelReplay
 from forkrl.core.testing import Float64Mode
 from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err, tiny_causal_lm
-from forkrl.core.testing.ranks import finish, report
+from forkrl.core.testing.ranks import run_on_ranks
 
-name, P, block, prompt_grad, split = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
-G = 8
-g = torch.Generator().manual_seed(7)
-prompt = torch.randint(0, 61, (P,), generator=g).tolist()
-responses = [torch.randint(0, 61, (2 + i % 4,), generator=g).tolist() for i in range(G)]
-coefs = [torch.randn(len(r), generator=g, dtype=torch.float64) for r in responses]
-# skewed: on 2 ranks all 8 on rank 0; on 4 ranks 5 + 0 + 2 + 1
-owners = {"round": [i % world for i in range(G)], "skewed": [o if o < world else 0 for o in (0, 0, 0, 0, 0, 2, 2, 3)]}[split]
-mine = [i for i in range(G) if owners[i] == rank]
-singles = [dist.new_group([r]) for r in range(world)]  # every rank alone: context parallel over C = 1
+TOL = 1e-10
 
-raised = None
-try:
+
+def _cp_rank(name: str, P: int, block: int, prompt_grad: str, split: str) -> dict:
+    """One rank of context-parallel replay of one prompt and its GRPO group of 8: the errors of its
+    whole-group gradient against single-device replay and plain autograd, of a one-rank group
+    against single-device replay, of its log-probs, and its kept cache shard beside the
+    single-device cache and its chunk's length."""
+    from forkrl.core.executor.context_parallel import ContextParallelReplay
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    G = 8
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, 61, (P,), generator=g).tolist()
+    responses = [torch.randint(0, 61, (2 + i % 4,), generator=g).tolist() for i in range(G)]
+    coefs = [torch.randn(len(r), generator=g, dtype=torch.float64) for r in responses]
+    # skewed: on 2 ranks all 8 on rank 0; on 4 ranks 5 + 0 + 2 + 1
+    owners = {
+        "round": [i % world for i in range(G)],
+        "skewed": [o if o < world else 0 for o in (0, 0, 0, 0, 0, 2, 2, 3)],
+    }[split]
+    mine = [i for i in range(G) if owners[i] == rank]
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank alone: context parallel over C = 1
     with Float64Mode():
         model = tiny_causal_lm(name)
         seqs = [prompt + r for r in responses]
         if prompt_grad == "exact":
             lps, _ = dense_logprobs(model, seqs, [P] * G)
-            sum((lp * c).sum() for lp, c in zip(lps, coefs)).backward()
+            sum((lp * c).sum() for lp, c in zip(lps, coefs, strict=True)).backward()
             dense = grads(model)
             model.zero_grad(set_to_none=True)
         TreeExecutor(model, mode="replay", block_size=block, prompt_grad=prompt_grad).backward(
@@ -63,22 +63,20 @@ try:
         cp = ContextParallelReplay(model, block_size=block, prompt_grad=prompt_grad)
         res = cp.backward(prompt, [responses[i] for i in mine], [coefs[i] for i in mine])
         got = grads(model)
+        theirs = [full.logprobs[i] for i in mine]
         lp_err = max(
-            [0.0] + [float((a - b.detach()).abs().max()) for a, b in zip(res.logprobs, [full.logprobs[i] for i in mine])]
+            [0.0] + [float((a - b.detach()).abs().max()) for a, b in zip(res.logprobs, theirs, strict=True)]
         )
-    lines = [
-        f"RANK {rank} REPLAY {max_rel_err(got, replay):.3e} DENSE {max_rel_err(got, dense):.3e} ONE {err_one:.3e} "
-        f"LP {lp_err:.3e} SHARD {res.shard_bytes} FULL {full.shard_bytes} GRADSHARD {res.shard_grad_bytes} "
-        f"CHUNK {res.chunk[1] - res.chunk[0]}"
-    ]
-except Exception as error:  # noqa: BLE001
-    # Only the message is kept: the traceback's frames are freed here, while the group is alive.
-    raised = f"{type(error).__name__}: {error}"
-if raised is not None:
-    lines = [f"RANK {rank} RAISED {raised}"]
-report(*lines)
-finish()
-"""
+    return {
+        "replay": max_rel_err(got, replay),
+        "dense": max_rel_err(got, dense),
+        "one": err_one,
+        "lp": lp_err,
+        "shard": res.shard_bytes,
+        "full": full.shard_bytes,
+        "grad_shard": res.shard_grad_bytes,
+        "chunk": res.chunk[1] - res.chunk[0],
+    }
 
 
 @pytest.mark.parametrize(
@@ -89,26 +87,18 @@ finish()
         (2, "llama-mha", 20, 64, "none", "skewed"),  # truncated; one block per chunk; 8 + 0 responses
     ],
 )
-def test_context_parallel_replay_equals_single_device(nproc, name, P, block, prompt_grad, split, tmp_path):
-    script = tmp_path / "cp.py"
-    script.write_text(_SCRIPT)
-    out = torchrun(
-        script, name, str(P), str(block), prompt_grad, split, nproc=nproc, timeout=120, cwd=ROOT
-    ).stdout
-    lines = rank_lines(out)
-    assert len(lines) == nproc and not any("RAISED" in line for line in lines), out
+def test_context_parallel_replay_equals_single_device(nproc, name, P, block, prompt_grad, split):
+    ranks = run_on_ranks(_cp_rank, nproc, name, P, block, prompt_grad, split, timeout=120)
     cached = P - 1 if prompt_grad == "exact" else P  # exact: the last prompt token runs with each response
     shards, chunks = [], []
-    for line in lines:
-        f = line.split()
-        values = dict(zip(f[2::2], f[3::2], strict=True))
-        assert float(values["REPLAY"]) < TOL, line
-        assert float(values["DENSE"]) < TOL, line
-        assert float(values["ONE"]) < TOL, line  # C = 1 (a one-rank subgroup) equals single-device replay
-        assert float(values["LP"]) < 1e-12, line
-        shard, full, chunk = int(values["SHARD"]), int(values["FULL"]), int(values["CHUNK"])
-        assert shard * cached == full * chunk, line  # the kept shard is exactly its chunk's share
-        assert int(values["GRADSHARD"]) == (shard if prompt_grad == "exact" else 0), line
+    for r in ranks:
+        assert r["replay"] < TOL, r
+        assert r["dense"] < TOL, r
+        assert r["one"] < TOL, r  # C = 1 (a one-rank subgroup) equals single-device replay
+        assert r["lp"] < 1e-12, r
+        shard, full, chunk = r["shard"], r["full"], r["chunk"]
+        assert shard * cached == full * chunk, r  # the kept shard is exactly its chunk's share
+        assert r["grad_shard"] == (shard if prompt_grad == "exact" else 0), r
         shards.append(shard)
         chunks.append(chunk)
     assert sum(shards) == full  # nothing of the cache is kept twice
