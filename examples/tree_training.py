@@ -15,6 +15,7 @@ policy learns.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import time
 
@@ -77,7 +78,7 @@ def dense_backward(model, seqs, score_from, loss_fn) -> torch.Tensor:
     return lp.detach()
 
 
-def compare_with_dense(model, forest, seqs, score_from, loss_fn, tree_logps, tree_s) -> None:
+def compare_with_dense(model, forest, seqs, score_from, loss_fn, tree_logps, tree_s) -> dict[str, float]:
     """Recompute the step's gradient the plain way and report how it compares with the tree's.
 
     The on-policy GRPO loss is 0 at ratio 1 (group-normalised advantages sum to zero), so its value
@@ -115,6 +116,15 @@ def compare_with_dense(model, forest, seqs, score_from, loss_fn, tree_logps, tre
     log.info("  backward   tree %.3f s vs plain %.3f s (%.2fx)", tree_s, dense_s, dense_s / tree_s)
     for a, p in zip(tree_grads, model.parameters(), strict=True):
         p.grad = a
+    return {
+        "compression": forest.compression,
+        "logprob_max_abs_diff": lp_diff,
+        "grad_norm_tree": norm_tree,
+        "grad_norm_plain": norm_dense,
+        "grad_max_rel_diff": rel,
+        "backward_tree_s": tree_s,
+        "backward_plain_s": dense_s,
+    }
 
 
 def main() -> None:
@@ -132,6 +142,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--mode", default="keep", choices=["keep", "replay", "packed"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--summary", default=None, help="also write the step-0 comparison and rewards here, as JSON"
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
@@ -141,7 +154,7 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     executor = TreeExecutor(model, mode=args.mode)
     gen = torch.Generator().manual_seed(args.seed)
-    first_reward = last_reward = None
+    first_reward = last_reward = comparison = None
     for step in range(args.steps):
         # --- rollout: G samples per prompt, the prompts shared within each group
         model.eval()
@@ -179,7 +192,7 @@ def main() -> None:
         backward_loss(executor, forest, loss_fn, token_local=True, fill=old)
         tree_s = time.perf_counter() - t0
         if step == 0:
-            compare_with_dense(model, forest, seqs, score_from, loss_fn, old, tree_s)
+            comparison = compare_with_dense(model, forest, seqs, score_from, loss_fn, old, tree_s)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
         opt.step()
         mean_reward = float(rewards_t.mean())
@@ -187,6 +200,10 @@ def main() -> None:
         last_reward = mean_reward
         log.info("step %2d  reward %.3f  |grad| %.2e  tree step %.2fs", step, mean_reward, grad_norm, tree_s)
     log.info("reward: first step %.3f -> last step %.3f", first_reward, last_reward)
+    if args.summary:
+        summary = {"step0": comparison, "first_reward": first_reward, "last_reward": last_reward}
+        with open(args.summary, "w") as f:
+            json.dump(summary, f, indent=2)
 
 
 if __name__ == "__main__":

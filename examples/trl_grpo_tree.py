@@ -16,6 +16,7 @@ per optimizer step, then trains with the plugin and prints the reward.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import random
 import statistics
@@ -144,6 +145,7 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=12)
     ap.add_argument("--lr", type=float, default=2e-2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--summary", default=None, help="also write the logged steps and rewards here, as JSON")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     quiet_libraries()
@@ -182,6 +184,15 @@ def main() -> None:
         first = statistics.mean(h["reward"] for h in history[:3])
         last = statistics.mean(h["reward"] for h in history[-3:])
         log.info("reward: first steps %.3f -> last steps %.3f", first, last)
+        if args.summary:
+            keys = ("step", "reward", "tree/compression", "step_time")
+            summary = {
+                "steps": [{k: h[k] for k in keys} for h in history],
+                "first_reward": first,
+                "last_reward": last,
+            }
+            with open(args.summary, "w") as f:
+                json.dump(summary, f, indent=2)
 
 
 if __name__ == "__main__":

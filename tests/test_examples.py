@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,15 +11,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _after(log: str, label: str) -> float:
-    """The number that follows ``label`` in the example's output."""
-    return float(log.split(label, 1)[1].split()[0].rstrip("x);"))
-
-
-def test_tree_training_example_runs_and_matches_dense():
+def test_tree_training_example_runs_and_matches_dense(tmp_path):
+    summary = tmp_path / "summary.json"
     cmd = [
         sys.executable, str(ROOT / "examples" / "tree_training.py"),
         "--steps", "2", "--prompts", "2", "--group", "4", "--prompt-len", "40", "--max-new", "16", "--vocab", "16",
+        "--summary", str(summary),
     ]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -26,26 +24,29 @@ def test_tree_training_example_runs_and_matches_dense():
     assert "step  1" in log and "reward: first step" in log
     # The first step compares the tree with plain per-sequence training (float32): the forest shares
     # each group's prompt, and the log-probs and the gradient agree.
-    assert _after(log, "(compression ") > 1.5  # 2 groups of 4 sharing a 40-token prompt: 2.16x
-    assert _after(log, "max abs difference ") < 1e-4
-    assert _after(log, "max relative gradient difference ") < 1e-4
-    tree_norm, plain_norm = _after(log, "gradient   norm "), _after(log, "(tree) vs ")
+    step0 = json.loads(summary.read_text())["step0"]
+    assert step0["compression"] > 1.5  # 2 groups of 4 sharing a 40-token prompt: 2.16x
+    assert step0["logprob_max_abs_diff"] < 1e-4
+    assert step0["grad_max_rel_diff"] < 1e-4
+    tree_norm, plain_norm = step0["grad_norm_tree"], step0["grad_norm_plain"]
     assert tree_norm > 0 and abs(tree_norm - plain_norm) <= 1e-4 * plain_norm  # a real gradient, the same
-    assert _after(log, "backward   tree ") > 0 and _after(log, "s vs plain ") > 0
+    assert step0["backward_tree_s"] > 0 and step0["backward_plain_s"] > 0
 
 
-def test_trl_grpo_tree_example_runs():
+def test_trl_grpo_tree_example_runs(tmp_path):
     """The README's main job: TRL GRPO with tree_packing vs stock TRL, on a very small setting."""
+    summary = tmp_path / "summary.json"
     cmd = [
         sys.executable, str(ROOT / "examples" / "trl_grpo_tree.py"),
         "--steps", "4", "--compare-steps", "2", "--doc-len", "64", "--prompts", "1", "--group", "4", "--max-new", "6",
+        "--summary", str(summary),
     ]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     log = out.stderr + out.stdout
     assert "time per optimizer step" in log and "tree_packing" in log
     assert "reward: first steps" in log
-    compression = float(log.split("tree/compression ")[1].split()[0])
+    compression = json.loads(summary.read_text())["steps"][0]["tree/compression"]
     assert compression > 1.0
     # The main job's output is its own summary: no library warnings, progress bars or log dicts.
     for noise in ("Warning", "it/s]", "Loading weights", "{'loss'"):
