@@ -34,7 +34,6 @@ __all__ = [
     "RankFailed",
     "clean_env",
     "finish",
-    "rank_lines",
     "report",
     "run_in_subprocess",
     "run_on_ranks",
@@ -87,11 +86,6 @@ def torchrun(
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
-
-
-def rank_lines(stdout: str, prefix: str = "RANK") -> list[str]:
-    """The lines of ``stdout`` the ranks reported (starting with ``prefix``)."""
-    return [line for line in stdout.splitlines() if line.startswith(prefix)]
 
 
 def report(*lines: str) -> None:
