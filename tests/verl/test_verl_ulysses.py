@@ -9,69 +9,83 @@ alone, which sees only a rank's slice, gives another update).
 
 from __future__ import annotations
 
-from pathlib import Path
+from forkrl.core.testing.ranks import run_on_ranks
 
-from forkrl.core.testing.ranks import rank_lines, torchrun
 
-ROOT = Path(__file__).resolve().parents[2]
+def _ulysses_rank(path: str) -> dict:
+    """One rank of a Ulysses group of two: per configuration its update's difference from its
+    reference's (relative to stock's change), ``mixed-off``: the bf16 criterion's ``(off, near)``;
+    on the group's first rank also the log-probs' and losses' differences."""
+    import torch
 
-_SCRIPT = r"""
-import sys
-sys.path.insert(0, {root!r})
-import torch, torch.distributed as dist
-from tests.verl import harness as h, ulysses_cpu
-from forkrl.core.testing import Bf16Rounding
-from forkrl.core.testing.ranks import finish, report
-ulysses_cpu.install()
-path = sys.argv[1]
-rollouts = h.rows(seed=0)  # every rank the same rows: one Ulysses group (dp size 1)
-cfg = lambda forkrl, **kw: h.actor_config(forkrl, ppo_mini_batch_size=8, entropy_coeff=0.01, **kw)
-sumnorm = dict(loss_agg_mode="seq-mean-token-sum-norm")  # normalised by each micro-batch's width
-sp = dict(ulysses_sequence_parallel_size=2)
-workers = {{
-    "dp2": (h.worker(path, cfg(None)), 16),  # no sequence parallelism: dp 2, the rows twice
-    "sp2-sdpa": (h.worker(path, cfg(None, **sp)), 8),  # negative control: Ulysses without its attention
-    "sp2": (h.worker(path, cfg(None, **sp)), 8),
-    "tree": (h.worker(path, cfg({{"tree_packing": True}}, **sp)), 8),
-    "replay": (h.worker(path, cfg({{"long_context_replay": True}}, **sp)), 8),
-    "tree-dynamic": (h.worker(path, cfg({{"tree_packing": True}}, use_dynamic_bsz=True, **sp), max_token_len=40), 8),
-    "sp2-dynamic": (h.worker(path, cfg(None, use_dynamic_bsz=True, **sp), max_token_len=40), 8),
-    "tree-sumnorm": (h.worker(path, cfg({{"tree_packing": True}}, **sumnorm, **sp)), 8),
-    "sp2-sumnorm": (h.worker(path, cfg(None, **sumnorm, **sp)), 8),
-    "tree-whole": (h.worker(path, cfg({{"tree_packing": True}}, ppo_micro_batch_size_per_gpu=8, **sp)), 8),
-    "tree-mixed": (h.worker(path, cfg({{"tree_packing": True}}, precision="mixed", **sp)), 8),
-    "sp2-mixed": (h.worker(path, cfg(None, precision="mixed", **sp)), 8),
-}}
-for name in ("sp2", "sp2-dynamic", "sp2-sumnorm", "sp2-mixed"):
-    ulysses_cpu.use_flash(workers[name][0])
-init = h.parameters(workers["sp2"][0])
-metrics = {{}}
-for step in range(2):
-    td = h.batch(rollouts, seed=step, kl=True)
-    for name, (w, mini) in workers.items():
-        metrics[name] = h.update(w, td, mini, entropy=True)
-lp = {{name: h.log_probs(workers[name][0], td)[0] for name in ("sp2", "tree")}}
-params = {{name: h.parameters(w) for name, (w, _) in workers.items()}}
-change = max((params["sp2"][n] - init[n]).abs().max().item() for n in init)
-def rel(a, b):
-    return max((params[a][n] - params[b][n]).abs().max().item() for n in init) / change
-lines = [f"RANK {{dist.get_rank()}} dp2 REL {{rel('dp2', 'sp2'):.3e}}", f"RANK {{dist.get_rank()}} sp2-sdpa REL {{rel('sp2-sdpa', 'sp2'):.3e}}"]
-pairs = (("tree", "sp2"), ("replay", "sp2"), ("tree-dynamic", "sp2-dynamic"), ("tree-sumnorm", "sp2-sumnorm"), ("tree-whole", "sp2"))
-for name, ref in pairs:
-    lines.append(f"RANK {{dist.get_rank()}} {{name}} REL {{rel(name, ref):.3e}}")
-update = lambda name: torch.cat([(params[name][n].double() - init[n].double()).flatten() for n in sorted(init)])
-bf16 = Bf16Rounding("mixed", update("tree-mixed"), update("sp2-mixed"), update("sp2"))
-lines.append(f"RANK {{dist.get_rank()}} mixed-off {{bf16.off:.3f}} NEAR {{bf16.near:.3f}}")
-if metrics["sp2"] is not None:  # veRL collects from the Ulysses group's first rank
-    lines.append(f"RANK {{dist.get_rank()}} logprobs REL {{(lp['tree'] - lp['sp2']).abs().max().item():.3e}}")
-    for name, ref in (("tree", "sp2"), ("tree-dynamic", "sp2-dynamic")):
-        a, b = metrics[ref]["loss"], metrics[name]["loss"]
-        lines.append(f"RANK {{dist.get_rank()}} {{name}}-loss REL {{max(abs(x - y) for x, y in zip(a, b)) / max(abs(x) for x in a):.3e}}")
-else:
-    assert all(metrics[n] is None for n in workers if n != "dp2") and lp["tree"] is None, metrics
-report(*lines)
-finish()
-"""
+    from forkrl.core.testing import Bf16Rounding
+    from tests.verl import harness as h  # starts the gloo group from run_on_ranks' variables
+    from tests.verl import ulysses_cpu
+
+    ulysses_cpu.install()
+    rollouts = h.rows(seed=0)  # every rank the same rows: one Ulysses group (dp size 1)
+
+    def cfg(forkrl, **kw):
+        return h.actor_config(forkrl, ppo_mini_batch_size=8, entropy_coeff=0.01, **kw)
+
+    sumnorm = dict(loss_agg_mode="seq-mean-token-sum-norm")  # normalised by each micro-batch's width
+    sp = dict(ulysses_sequence_parallel_size=2)
+    tree = {"tree_packing": True}
+    workers = {
+        "dp2": (h.worker(path, cfg(None)), 16),  # no sequence parallelism: dp 2, the rows twice
+        "sp2-sdpa": (h.worker(path, cfg(None, **sp)), 8),  # negative control: Ulysses without its attention
+        "sp2": (h.worker(path, cfg(None, **sp)), 8),
+        "tree": (h.worker(path, cfg(tree, **sp)), 8),
+        "replay": (h.worker(path, cfg({"long_context_replay": True}, **sp)), 8),
+        "tree-dynamic": (h.worker(path, cfg(tree, use_dynamic_bsz=True, **sp), max_token_len=40), 8),
+        "sp2-dynamic": (h.worker(path, cfg(None, use_dynamic_bsz=True, **sp), max_token_len=40), 8),
+        "tree-sumnorm": (h.worker(path, cfg(tree, **sumnorm, **sp)), 8),
+        "sp2-sumnorm": (h.worker(path, cfg(None, **sumnorm, **sp)), 8),
+        "tree-whole": (h.worker(path, cfg(tree, ppo_micro_batch_size_per_gpu=8, **sp)), 8),
+        "tree-mixed": (h.worker(path, cfg(tree, precision="mixed", **sp)), 8),
+        "sp2-mixed": (h.worker(path, cfg(None, precision="mixed", **sp)), 8),
+    }
+    for name in ("sp2", "sp2-dynamic", "sp2-sumnorm", "sp2-mixed"):
+        ulysses_cpu.use_flash(workers[name][0])
+    init = h.parameters(workers["sp2"][0])
+    metrics = {}
+    for step in range(2):
+        td = h.batch(rollouts, seed=step, kl=True)
+        for name, (w, mini) in workers.items():
+            metrics[name] = h.update(w, td, mini, entropy=True)
+    lp = {name: h.log_probs(workers[name][0], td)[0] for name in ("sp2", "tree")}
+    params = {name: h.parameters(w) for name, (w, _) in workers.items()}
+    change = max((params["sp2"][n] - init[n]).abs().max().item() for n in init)
+
+    def rel(a, b):
+        return max((params[a][n] - params[b][n]).abs().max().item() for n in init) / change
+
+    values = {"dp2": rel("dp2", "sp2"), "sp2-sdpa": rel("sp2-sdpa", "sp2")}
+    pairs = (
+        ("tree", "sp2"),
+        ("replay", "sp2"),
+        ("tree-dynamic", "sp2-dynamic"),
+        ("tree-sumnorm", "sp2-sumnorm"),
+        ("tree-whole", "sp2"),
+    )
+    for name, ref in pairs:
+        values[name] = rel(name, ref)
+
+    def update(name):
+        return torch.cat([(params[name][n].double() - init[n].double()).flatten() for n in sorted(init)])
+
+    bf16 = Bf16Rounding("mixed", update("tree-mixed"), update("sp2-mixed"), update("sp2"))
+    values["mixed-off"] = (bf16.off, bf16.near)
+    if metrics["sp2"] is not None:  # veRL collects from the Ulysses group's first rank
+        values["logprobs"] = (lp["tree"] - lp["sp2"]).abs().max().item()
+        for name, ref in (("tree", "sp2"), ("tree-dynamic", "sp2-dynamic")):
+            a, b = metrics[ref]["loss"], metrics[name]["loss"]
+            values[f"{name}-loss"] = max(abs(x - y) for x, y in zip(a, b, strict=False)) / max(
+                abs(x) for x in a
+            )
+    else:
+        assert all(metrics[n] is None for n in workers if n != "dp2") and lp["tree"] is None, metrics
+    return values
 
 
 def test_ulysses_group_equals_stock(tmp_path):
@@ -82,60 +96,59 @@ def test_ulysses_group_equals_stock(tmp_path):
     from forkrl.core.testing.models import byte_llama, byte_tokenizer, save_pretrained
 
     path = save_pretrained(byte_llama(0), byte_tokenizer(), tmp_path / "model")
-    script = tmp_path / "ulysses.py"
-    script.write_text(_SCRIPT.format(root=str(ROOT)))
-    lines = rank_lines(torchrun(script, path, cwd=ROOT).stdout)
-    values = {
-        (int(f[1]), f[2]): float(f[3 if f[2] == "mixed-off" else 4]) for f in (line.split() for line in lines)
-    }
+    ranks = run_on_ranks(_ulysses_rank, 2, str(path), init_group=False)
+    values = {(rank, name): v for rank, per_name in enumerate(ranks) for name, v in per_name.items()}
     assert {k for r, k in values if r == 1} == {
         "dp2", "sp2-sdpa", "tree", "replay", "tree-dynamic", "tree-sumnorm", "tree-whole", "mixed-off"
     }  # fmt: skip
-    for line in lines:  # veRL's mixed precision: as accurate as stock's, and near it
-        if "mixed-off" in line:
-            off, near = float(line.split()[3]), float(line.split()[5])
-            assert 0.5 <= off <= 1.5 and near < 1.5, line
     for (rank, name), value in values.items():
-        if name == "mixed-off":
-            continue
-        if name == "sp2-sdpa":
+        if name == "mixed-off":  # veRL's mixed precision: as accurate as stock's, and near it
+            off, near = value
+            assert 0.5 <= off <= 1.5 and near < 1.5, (rank, value)
+        elif name == "sp2-sdpa":
             assert value > 1e-2, (rank, name, value)  # the stand-in is what makes Ulysses exact
         else:
             assert value < 1e-4, (rank, name, value)
     assert {(0, "tree-loss"), (0, "tree-dynamic-loss"), (0, "logprobs")} <= set(values), values
 
 
-_GROUPS = r"""
-import sys
-sys.path.insert(0, {root!r})
-import torch, torch.distributed as dist
-from tests.verl import harness as h, ulysses_cpu
-from forkrl.core.testing.ranks import finish, report
-ulysses_cpu.install()
-dp = dist.get_rank() // 2  # ranks 0,1 and 2,3: two Ulysses groups, two data-parallel ranks
-rollouts = h.rows(seed=dp)
-cfg = lambda forkrl, **kw: h.actor_config(forkrl, ppo_mini_batch_size=16, entropy_coeff=0.01, **kw)
-sp = dict(ulysses_sequence_parallel_size=2)
-sumnorm = dict(loss_agg_mode="seq-mean-token-sum-norm")
-workers = {{
-    "sp2": h.worker(sys.argv[1], cfg(None, **sp)),
-    "tree": h.worker(sys.argv[1], cfg({{"tree_packing": True}}, **sp)),
-    "sp2-sumnorm": h.worker(sys.argv[1], cfg(None, **sumnorm, **sp)),
-    "tree-sumnorm": h.worker(sys.argv[1], cfg({{"tree_packing": True}}, **sumnorm, **sp)),
-}}
-ulysses_cpu.use_flash(workers["sp2"])
-ulysses_cpu.use_flash(workers["sp2-sumnorm"])
-init = h.parameters(workers["sp2"])
-for step in range(2):
-    td = h.batch(rollouts, seed=10 * dp + step, kl=True)
-    for w in workers.values():
-        h.update(w, td, 16, entropy=True)
-p = {{n: h.parameters(w) for n, w in workers.items()}}
-change = max((p["sp2"][n] - init[n]).abs().max().item() for n in init)
-rel = lambda a, b: max((p[a][n] - p[b][n]).abs().max().item() for n in init) / change
-report(f"RANK {{dist.get_rank()}} {{rel('tree', 'sp2'):.3e}} {{rel('tree-sumnorm', 'sp2-sumnorm'):.3e}} {{change:.3e}}")
-finish()
-"""
+def _two_groups_rank(path: str) -> dict[str, float]:
+    """One of four ranks (ranks 0,1 and 2,3: two Ulysses groups, two data-parallel ranks): the tree's
+    update against stock's, token-mean and per-micro-batch normalised, and stock's change."""
+    import torch.distributed as dist
+
+    from tests.verl import harness as h  # starts the gloo group from run_on_ranks' variables
+    from tests.verl import ulysses_cpu
+
+    ulysses_cpu.install()
+    dp = dist.get_rank() // 2
+    rollouts = h.rows(seed=dp)
+
+    def cfg(forkrl, **kw):
+        return h.actor_config(forkrl, ppo_mini_batch_size=16, entropy_coeff=0.01, **kw)
+
+    sp = dict(ulysses_sequence_parallel_size=2)
+    sumnorm = dict(loss_agg_mode="seq-mean-token-sum-norm")
+    workers = {
+        "sp2": h.worker(path, cfg(None, **sp)),
+        "tree": h.worker(path, cfg({"tree_packing": True}, **sp)),
+        "sp2-sumnorm": h.worker(path, cfg(None, **sumnorm, **sp)),
+        "tree-sumnorm": h.worker(path, cfg({"tree_packing": True}, **sumnorm, **sp)),
+    }
+    ulysses_cpu.use_flash(workers["sp2"])
+    ulysses_cpu.use_flash(workers["sp2-sumnorm"])
+    init = h.parameters(workers["sp2"])
+    for step in range(2):
+        td = h.batch(rollouts, seed=10 * dp + step, kl=True)
+        for w in workers.values():
+            h.update(w, td, 16, entropy=True)
+    p = {n: h.parameters(w) for n, w in workers.items()}
+    change = max((p["sp2"][n] - init[n]).abs().max().item() for n in init)
+
+    def rel(a, b):
+        return max((p[a][n] - p[b][n]).abs().max().item() for n in init) / change
+
+    return {"tree": rel("tree", "sp2"), "sumnorm": rel("tree-sumnorm", "sp2-sumnorm"), "change": change}
 
 
 def test_two_ulysses_groups_equal_stock(tmp_path):
@@ -144,10 +157,6 @@ def test_two_ulysses_groups_equal_stock(tmp_path):
     from forkrl.core.testing.models import byte_llama, byte_tokenizer, save_pretrained
 
     path = save_pretrained(byte_llama(0), byte_tokenizer(), tmp_path / "model")
-    script = tmp_path / "groups.py"
-    script.write_text(_GROUPS.format(root=str(ROOT)))
-    lines = rank_lines(torchrun(script, path, nproc=4, cwd=ROOT).stdout)
-    assert len(lines) == 4, lines
-    for line in lines:
-        tree, sumnorm, change = map(float, line.split()[2:])
-        assert tree < 1e-4 and sumnorm < 1e-4 and change > 0, line
+    ranks = run_on_ranks(_two_groups_rank, 4, str(path), init_group=False)
+    for r in ranks:
+        assert r["tree"] < 1e-4 and r["sumnorm"] < 1e-4 and r["change"] > 0, r
