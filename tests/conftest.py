@@ -13,3 +13,13 @@ def _missing(*modules: str) -> bool:
 collect_ignore = [host for host in ("verl", "openrlhf") if _missing(host)]
 if _missing("trl", "vllm"):
     collect_ignore.append("trl_vllm")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """A test that times something is slow too: it needs a quiet machine, which the fast tier
+    (``-m "not slow"``) does not ask for."""
+    import pytest
+
+    for item in items:
+        if item.get_closest_marker("timing") is not None:
+            item.add_marker(pytest.mark.slow)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each benchmark end to end
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the examples end to end
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -54,6 +54,7 @@ def tiny_run(tmp_path_factory):
     return out, proc
 
 
+@pytest.mark.slow
 def test_gpu_check_runs_every_stage_on_cpu(tiny_run):
     out, proc = tiny_run
     stages = json.loads((out / "gpu_check.json").read_text())["stages"]
@@ -78,6 +79,7 @@ def test_gpu_check_runs_every_stage_on_cpu(tiny_run):
     assert stages["drafter"]["greedy"]["speculative_equals_plain"]
 
 
+@pytest.mark.slow
 def test_every_training_shape_times_every_method(tiny_run):
     """Each shape's table: every method timed (median of >= 3 alternating calls) and profiled, its
     FLOPs and ratios, its gradient equal to dense's (float32 here); Prefix Grouper is skipped only
@@ -114,6 +116,7 @@ def test_every_training_shape_times_every_method(tiny_run):
     assert "| method | ms | busy_ms |" in proc.stdout
 
 
+@pytest.mark.slow
 def test_the_trl_stage_runs_or_says_why_not(tiny_run):
     out, _ = tiny_run
     trl = json.loads((out / "gpu_check.json").read_text())["stages"]["trl"]
@@ -244,6 +247,7 @@ def test_a_stage_timeout_is_not_taken_for_the_code_s_own_failure():
     assert result == "timed out"
 
 
+@pytest.mark.slow
 def test_gpu_check_reports_a_failing_stage(tmp_path):
     """A stage's error is a result (written, exit status 1), not a crash that loses the others."""
     proc = subprocess.run(

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # builds and steps every architecture
+
 REPO = Path(__file__).resolve().parents[1]
 BAD = ("crash", "mismatch", "timeout", "unbuildable", "fail")
 

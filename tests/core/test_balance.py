@@ -251,6 +251,7 @@ def _rank_plans() -> list[dict]:
     return plans
 
 
+@pytest.mark.slow
 def test_ranks_follow_one_plan_whatever_their_cost_models():
     """Every rank trains exactly its share of one plan, made once: ranks whose online cost models
     differ (a fit on each rank; rounding differs between processes) must not each plan for

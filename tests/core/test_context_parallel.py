@@ -18,6 +18,8 @@ from forkrl.core.testing import Float64Mode
 from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err, tiny_causal_lm
 from forkrl.core.testing.ranks import run_on_ranks
 
+pytestmark = pytest.mark.slow  # several gloo ranks per test
+
 TOL = 1e-10
 
 

@@ -11,6 +11,8 @@ from benchmarks.launch_budget import qwen_05b_structure, rollouts
 from forkrl.core import PrefixForest, TreeExecutor
 from forkrl.core.testing.dispatch import count_call, count_dense
 
+pytestmark = pytest.mark.slow  # counts every op of full passes at the 24-layer shapes
+
 SHAPES = {"one": (1, 128, 16, 16), "math": (32, 32, 8, 8)}  # (groups, P, G, R)
 
 

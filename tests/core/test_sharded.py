@@ -18,6 +18,8 @@ from forkrl.core.testing import Float64Mode
 from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err, tiny_causal_lm
 from forkrl.core.testing.ranks import run_on_ranks
 
+pytestmark = pytest.mark.slow  # FSDP2 on two gloo ranks
+
 
 def _rows(rank: int, g: torch.Generator) -> list[tuple[list[int], list[int]]]:
     def rand(n: int) -> list[int]:

@@ -23,6 +23,8 @@ pytest.importorskip("deepspeed")
 
 from .trl_helpers import initial_params, relative_difference, save_tiny_llama, train  # noqa: E402
 
+pytestmark = pytest.mark.slow  # DeepSpeed on two ranks against stock in a fresh process
+
 TOL = 1e-4
 _ENV = {"TRL_EXPERIMENTAL_SILENCE": "1"}
 

@@ -23,6 +23,8 @@ pytest.importorskip("trl")
 
 from .trl_helpers import save_tiny_llama  # noqa: E402
 
+pytestmark = pytest.mark.slow  # TRL's own launchers end to end
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("trl_e2e_train.py")
 

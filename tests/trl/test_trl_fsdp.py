@@ -20,6 +20,8 @@ pytest.importorskip("trl")
 
 from .trl_helpers import initial_params, relative_difference, save_tiny_llama, train  # noqa: E402
 
+pytestmark = pytest.mark.slow  # FSDP2 on two ranks against stock in a fresh process
+
 TOL = 1e-4
 
 

@@ -220,6 +220,7 @@ def test_fused_probe_catches_value_dependent_loss(model_path, init, tmp_path, mo
     assert_same_run(stock, tree, init, st, tt)
 
 
+@pytest.mark.slow
 def test_reward_rises_end_to_end(tmp_path):
     """Real TRL generation (no rollout_func) on a learnable task: reward for emitting 'a'..'e'."""
     path = save_tiny_llama(tmp_path / "m", seed=1)
@@ -275,6 +276,7 @@ def _dp_train(model: str, out: Path, mode: str, per_device: int, balance: str | 
     }
 
 
+@pytest.mark.slow
 def test_data_parallel_two_processes_equals_one(model_path, init, tmp_path):
     dp = run_on_ranks(_dp_train, 2, model_path, tmp_path, "tree", 2, init_group=False)[0]
     assert (dp["world"], dp["type"]) == (2, "DistributedType.MULTI_CPU"), dp["type"]
@@ -282,6 +284,7 @@ def test_data_parallel_two_processes_equals_one(model_path, init, tmp_path):
     assert relative_difference(dp["params"], one["params"], init) < TOL
 
 
+@pytest.mark.slow
 def test_tree_balance_moves_rows_and_keeps_the_update(model_path, init, tmp_path):
     """Two ranks holding long- and short-prompt groups: tree_balance moves rows between them (logged)
     and the parameters still equal stock TRL in one process on the same rollouts."""
