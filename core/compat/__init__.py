@@ -60,6 +60,8 @@ from .fsdp import (
     reduce_scatter_like,
 )
 from .kernels import (
+    efficient_cuda,
+    efficient_cuda_backward,
     flash_cpu,
     flash_cpu_backward,
     flash_cuda,
@@ -96,6 +98,8 @@ from .ssm import (
 from .vision import gemma3_vision_masks, llava_next_crops, rope_index, vision_tower
 
 __all__ = [
+    "efficient_cuda",
+    "efficient_cuda_backward",
     "has_forward_hooks",
     "gemma3_vision_masks",
     "llava_next_crops",

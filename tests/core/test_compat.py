@@ -54,6 +54,19 @@ def test_a_failing_check_says_what_changed_in_the_host():
         assert part in message, message
 
 
+def test_every_name_core_reads_from_compat_exists():
+    """Core reaches the privates as ``compat.<name>`` on the package: each such name is re-exported
+    from its area (a name left out fails only on the path that reads it, e.g. CUDA's)."""
+    core = Path(__file__).parents[2] / "core"
+    used = {
+        (name, str(path.relative_to(core)))
+        for path in core.rglob("*.py")
+        if "compat" not in path.parts
+        for name in re.findall(r"\bcompat\.([A-Za-z_]\w*)", path.read_text())
+    }
+    assert used and not sorted((n, p) for n, p in used if not hasattr(compat, n))
+
+
 def test_the_dev_environment_pins_the_checked_transformers():
     """The test environment installs the transformers the privates were checked against (CI must not
     test whatever release came out that day), and this run uses it."""
