@@ -244,7 +244,9 @@ class TreeRunner(Generic[M]):
             metrics["tree/balance_cost_fitted"] = float(self.cost.fitted)
             # Every rank's shape and time of this step: the next plans are priced by the refitted model.
             measured = self.cost.observe(
-                forest_stats(result.forest), result.metrics.backward_time, group=parallel.group
+                forest_stats(result.forest),
+                result.metrics.backward_time,
+                group=parallel.group if parallel.balance_group is None else parallel.balance_group,
             )
             metrics.update(balanced.metrics(measured=measured))
         return metrics

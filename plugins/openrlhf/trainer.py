@@ -5,7 +5,8 @@ OpenRLHF's ``ppo_train`` groups the replay buffer's micro-batches into optimizer
 normalisers; with dynamic batching, the buffer's ``dynamic_optimizer_step`` marks the ends) and
 calls ``training_step`` per micro-batch. Here, at a window's first micro-batch, the whole window
 becomes one forest (shared prompts found by tokens: the buffer's shuffle has scattered the groups)
-and :class:`forkrl.core.train.TreeStep` trains it:
+and the trainer's :class:`forkrl.core.train.TreeRunner` (``self.forkrl``; OpenRLHF's side of it is
+:class:`OpenRLHFHost`) trains it:
 
 - the loss is OpenRLHF's own: ``ActorPPOTrainer.training_step`` runs per micro-batch with the actor
   replaced by the tree's log-probs/entropies (leaves, ``[B, num_actions]``) and ``strategy.backward``
@@ -50,6 +51,7 @@ import contextlib
 import itertools
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from types import SimpleNamespace
 from typing import Any
 
@@ -59,7 +61,7 @@ from openrlhf.trainer.ray import ppo_actor
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
 from forkrl.core import RowLayout, TreeStep, UnsupportedModelError
-from forkrl.core.balance import OnlineCostModel, forest_stats
+from forkrl.core.balance import CostModel, Rebalanced
 from forkrl.core.executor import Image, RouterLoss, images_from
 from forkrl.core.executor.vision import check_model as check_vision_model
 from forkrl.core.train import (
@@ -67,8 +69,10 @@ from forkrl.core.train import (
     ParallelContext,
     StepInputs,
     StepLoss,
+    TreeRunner,
     all_ok,
     gather_shares,
+    router_value,
     share_micro_batches,
     world_size,
 )
@@ -78,7 +82,17 @@ from . import compat
 from .balance import balance_window
 from .options import balance_setting, check_host_args, check_vlm_args, options_from
 
-__all__ = ["TreeActorPPOTrainer", "ring_share", "row_images", "score_log_probs", "tree_module"]
+__all__ = [
+    "OpenRLHFHost",
+    "TreeActorPPOTrainer",
+    "ring_share",
+    "row_images",
+    "score_log_probs",
+    "tree_module",
+]
+
+#: A micro-batch of a window: OpenRLHF's ``Experience`` and its ``loss_batch_info`` (None under dynamic batching).
+MicroBatch = tuple[Any, "dict | None"]
 
 #: Keys of a sample's ``mm_train_inputs`` the tree takes as images: the Qwen-VL family's
 #: ``pixel_values`` ``[patches, d]`` and ``image_grid_thw`` ``[images, 3]``; LLaVA's ``pixel_values``
@@ -310,22 +324,27 @@ class TreeActorPPOTrainer(ActorPPOTrainer):
     def __init__(self, strategy: Any, actor: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
         super().__init__(strategy, actor, *args, **kwargs)
         self.tree_options = options_from(strategy.args)
-        self.tree_step: TreeStep | None = None
-        self._window: list[tuple[Any, dict | None]] = []
-        self._window_start = 0
-        self._statuses: list[dict] = []
-        self._tree_metrics: dict[str, float] = {}
-        self._replica: AliasReplica | None = None
-        self._handed_over = -1
-        self._balance = False
-        self._cost_model = OnlineCostModel()
+        # forkrl's tree training (None: off): the loop around the tree step, with OpenRLHF's side.
+        self.forkrl: TreeRunner[MicroBatch] | None = None
         if self.tree_options.tree_enabled:
             check_host_args(strategy.args, self.tree_options)
-            self.tree_step = TreeStep(
-                self.tree_options, temperature=float(getattr(actor, "temperature", 1.0)), gather=gathered
+            # DeepSpeed reduces through hooks on the parameters: the tree trains a replica aliasing them.
+            self.forkrl = TreeRunner(
+                self.tree_options,
+                OpenRLHFHost(self),
+                temperature=float(getattr(actor, "temperature", 1.0)),
+                engine=True,
+                gather=gathered,
             )
             self._check_setup()
-            self._balance = balance_setting(strategy.args, self.tree_options, world_size(), vlm=self._is_vlm)
+            self.forkrl.host.balance = balance_setting(
+                strategy.args, self.tree_options, world_size(), vlm=self._is_vlm
+            )
+
+    @property
+    def tree_step(self) -> TreeStep | None:
+        """The tree scorer (the policy actor's old log-probs); None without tree training."""
+        return None if self.forkrl is None else self.forkrl.tree()
 
     def _check_setup(self) -> None:
         flag = "--forkrl.tree_packing" if self.tree_options.tree_packing else "--forkrl.long_context_replay"
@@ -334,9 +353,9 @@ class TreeActorPPOTrainer(ActorPPOTrainer):
             if self._is_vlm:
                 check_vlm_args(self.strategy.args, self.tree_options)
                 check_vision_model(getattr(module, "get_base_model", lambda: module)())
-            self.tree_step.check_model(module)
         except UnsupportedModelError as err:
             raise err.for_host(f"train without {flag}") from err
+        self.forkrl.check_model(module, f"train without {flag}")
 
     @property
     def _is_vlm(self) -> bool:
@@ -346,15 +365,15 @@ class TreeActorPPOTrainer(ActorPPOTrainer):
     # ------------------------------------------------------------------ OpenRLHF hooks
     def ppo_train(self, kl_ctl: float):
         """OpenRLHF's loop; with tree training its optimizer-step windows are recorded as they form."""
-        if self.tree_step is None:
+        if self.forkrl is None:
             return super().ppo_train(kl_ctl)
-        host = ppo_actor.iter_grad_accum_global_norm
+        host, tree = ppo_actor.iter_grad_accum_global_norm, self.forkrl.host
 
         def windows(data_iter, strategy, accumulated_gradient, mask_fn) -> Iterator[tuple[Any, dict]]:
             items = host(data_iter, strategy, accumulated_gradient, mask_fn)
             gas = max(int(accumulated_gradient), 1)
             while chunk := list(itertools.islice(items, gas)):  # the host yields whole windows of gas
-                self._window, self._window_start, self._statuses = chunk, -1, []
+                tree.window, tree.start, tree.statuses = chunk, -1, []
                 yield from chunk
 
         with compat.swapped(ppo_actor, iter_grad_accum_global_norm=windows):
@@ -362,7 +381,7 @@ class TreeActorPPOTrainer(ActorPPOTrainer):
 
     def training_step(self, experience, kl_ctl: float, step: int, loss_batch_info: dict | None = None):
         """OpenRLHF's step without tree training; otherwise micro-batch ``step`` of its window."""
-        if self.tree_step is None:
+        if self.forkrl is None:
             return super().training_step(experience, kl_ctl, step, loss_batch_info)
         i = self._position(experience, step)
         if i == 0:
@@ -372,22 +391,23 @@ class TreeActorPPOTrainer(ActorPPOTrainer):
     # ------------------------------------------------------------------ the window
     def _position(self, experience: Any, step: int) -> int:
         """Index of this micro-batch in its window (building the window under dynamic batching)."""
+        tree = self.forkrl.host
         if self.args.train.dynamic_batch_enable:
             ends = self.replay_buffer.dynamic_optimizer_step
             if step == 0 or ends[step - 1]:
                 stop = next(j for j in range(step, len(ends)) if ends[j]) + 1
                 buffer = self.replay_buffer
-                self._window = [(buffer.collate_fn([buffer[j]]), None) for j in range(step, stop)]
-                self._window_start, self._statuses = step, []
-            if not self._window or not 0 <= step - self._window_start < len(self._window):
+                tree.window = [(buffer.collate_fn([buffer[j]]), None) for j in range(step, stop)]
+                tree.start, tree.statuses = step, []
+            if not tree.window or not 0 <= step - tree.start < len(tree.window):
                 raise RuntimeError(
                     f"tree step: micro-batch {step} is outside the recorded optimizer-step window"
                 )
-            return step - self._window_start
-        for i, (item, _) in enumerate(self._window):
+            return step - tree.start
+        for i, (item, _) in enumerate(tree.window):
             if item is experience:
                 if i == 0:
-                    self._window_start = step
+                    tree.start = step
                 return i
         raise RuntimeError(
             "tree step: training_step was called with a micro-batch outside ppo_train's optimizer-step windows; "
@@ -395,114 +415,22 @@ class TreeActorPPOTrainer(ActorPPOTrainer):
         )
 
     def _train_window(self, kl_ctl: float) -> None:
-        """Run the window's forest: OpenRLHF's loss per micro-batch on the leaves, one tree backward."""
+        """Run the window's forest (:meth:`TreeRunner.step`): OpenRLHF's loss per micro-batch on the
+        leaves, one tree backward, the window's gradient handed to DeepSpeed with micro-batch 0."""
         self.actor.train()
         module = tree_module(self.actor)
-        device = next(module.parameters()).device
-        window = self._window
-        for experience, _ in window:
-            experience.to_device(device)
-        balanced = None
-        if self._balance:  # the window's rows over the ranks by tree cost (the same normalisers)
-            window, balanced = balance_window(window, device, self._cost_model.model)
-        ring = compat.ring_group()
-        mine = None  # this rank's micro-batches of its ring group's window (module docstring)
-        if ring is not None:
-            tokens = [int(e.attention_mask.sum()) for e, _ in window]
-            mine = share_micro_batches(tokens, dist.get_world_size(ring), dist.get_rank(ring))
-        owned = list(range(len(window))) if mine is None else mine
-        images = self._window_images(window, owned, device)
-        scale = 1 if mine is None else dist.get_world_size(ring)
-        layouts = [
-            _layout(window[i][0].sequences, window[i][0].action_mask, window[i][0].attention_mask)
-            for i in owned
-        ]
-        statuses: list[dict | None] = [None] * len(window)
-        router = RouterLoss([self._router_weight(self._window_start + i) for i in owned])
-        router = router if self.aux_loss else None
-
-        def loss_fn(j: int, logps: torch.Tensor, entropies: torch.Tensor | None) -> torch.Tensor:
-            i = owned[j]
-            experience, info = window[i]
-            capture = _LossCapture(self.strategy)
-            values = router.values() if router is not None else None
-            aux = (values[j] if values is not None else torch.zeros(())).to(logps.device, torch.float32)
-            with self._standing_in(_LeafActor(self.actor, logps, entropies, aux), capture):
-                statuses[i] = ActorPPOTrainer.training_step(
-                    self, experience, kl_ctl, self._window_start + i, info
-                )
-            if capture.loss is None:
-                raise RuntimeError(
-                    "tree step: OpenRLHF's training_step did not hand a loss to strategy.backward"
-                )
-            return capture.loss * scale if scale != 1 else capture.loss
-
-        if self._replica is None or self._replica.model is not module:
-            # DeepSpeed accumulates micro-batches in fp32 for bf16 parameters; the tree does too.
-            self._replica = AliasReplica(module, accumulate_dtype=torch.float32, gather=gathered)
+        host = self.forkrl.host
+        host.device, host.kl_ctl = next(module.parameters()).device, kl_ctl
+        for experience, _ in host.window:
+            experience.to_device(host.device)
         start = time.perf_counter()
-        # ZeRO-3: one all-gather for the window; the first micro-batch's hand-over (the window's
-        # gradient: DeepSpeed's one reduce-scatter) runs while the parameters are still whole.
-        with self._replica.whole():
-            with self._replica.gathered(grad=True) as plain, compat.ring_attention_off():
-                result = self.tree_step.train(
-                    plain,
-                    StepInputs(layouts, images, router=router),
-                    StepLoss(loss_fn, entropy=self.args.actor.entropy_coef is not None),
-                    ParallelContext(device, lockstep=world_size() > 1),
-                    gradient_checkpointing=bool(self.args.actor.gradient_checkpointing_enable),
-                )
-            # forkrl's own collectives (metrics, cost samples) come before DeepSpeed's backward below:
-            # under ZeRO-3 its reduction may still be in flight when it returns, until the step, and a
-            # collective issued meanwhile was seen to read a half-reduced buffer (gloo, 2 ranks).
-            metrics = result.metrics.reduced(device).as_dict()
-            if mine is not None:  # every micro-batch's status on every rank of the ring group
-                statuses = _gather_statuses(statuses, mine, ring, device)
-            if balanced is not None:
-                metrics["tree/balance_cost_fitted"] = float(self._cost_model.fitted)
-                # Every rank's shape and time of this step: the next plans are priced by the refitted model.
-                measured = self._cost_model.observe(forest_stats(result.forest), result.metrics.backward_time)
-                metrics.update(balanced.metrics(measured=measured))
-            self._handed_over = -1
-            if self._replica.partitioned:
-                self._hand_over(0)
-        self._statuses = statuses
-        metrics["tree/step_time"] = time.perf_counter() - start
-        self._tree_metrics = metrics
+        self.forkrl.step(module, host.window, bool(self.args.actor.gradient_checkpointing_enable))
+        host.metrics["tree/step_time"] = time.perf_counter() - start
 
-    def _window_images(
-        self, window: list, owned: list[int], device: torch.device
-    ) -> list[list[Image]] | None:
-        """Per row of the micro-batches ``owned`` (in order), its images; None for a text-only actor
-        or window. A refusal on any rank stops every rank here, before the step's collectives and
-        before any gradient."""
-        if not self._is_vlm:
-            return None
-        images: list[list[Image]] = []
-        error = None
-        try:
-            for i in owned:
-                experience = window[i][0]
-                rows = int(experience.sequences.shape[0])
-                images.extend(
-                    row_images(getattr(experience, "mm_train_inputs", None), rows)
-                    or [[] for _ in range(rows)]
-                )
-        except ValueError as err:  # UnsupportedModelError included
-            error = err
-        if not all_ok(error is None, device):
-            raise error or RuntimeError(
-                "another data-parallel rank refused this step's images (see its error); nothing was changed"
-            )
-        return images if any(images) else None
-
-    def _hand_over(self, i: int) -> None:
-        """Micro-batch ``i``'s backward through DeepSpeed: the window's gradient at the first, zero
-        after (DeepSpeed scales each by ``1 / accumulated_gradient``, as stock's losses)."""
-        surrogate = self._replica.gradient_surrogate(zero=i > 0)
+    def _hand_over(self, surrogate: torch.Tensor) -> None:
+        """A micro-batch's backward through DeepSpeed (it scales each by ``1 / accumulated_gradient``,
+        as stock's losses): the window's gradient at the first, zero after."""
         self.strategy.backward(surrogate, self.actor, self.actor_optim)
-        self._handed_over = i
-        self._replica.clear()  # the later micro-batches hand over zero
 
     def _router_weight(self, step: int) -> float:
         """What OpenRLHF's loss multiplies micro-batch ``step``'s router aux loss by."""
@@ -523,20 +451,143 @@ class TreeActorPPOTrainer(ActorPPOTrainer):
     def _finish(self, i: int, step: int) -> dict:
         """Micro-batch ``i``'s tail, as OpenRLHF's ``training_step`` ends: backward (the window's
         gradient at the first micro-batch, zero after), optimizer step, EMA, grad norm, metrics."""
-        if self._handed_over < i:
-            self._hand_over(i)
+        if i > 0:  # the window's gradient went over with micro-batch 0, inside the step
+            self._hand_over(self.forkrl.replica(tree_module(self.actor)).gradient_surrogate(zero=True))
         dynamic = self.args.train.dynamic_batch_enable
         is_step = not dynamic or bool(self.replay_buffer.dynamic_optimizer_step[step])
         if is_step:
             self.strategy.optimizer_step(self.actor_optim, self.actor, self.actor_scheduler, name="actor")
             if self.ema_model:
                 self.strategy.moving_average(self.actor, self.ema_model, self.ema_beta, "cuda")
-        status = self._statuses[i]
+        status = self.forkrl.host.statuses[i]
         metrics, weights = status["metrics"], status["weights"]
         metrics["actor_lr"] = self.actor_scheduler.get_last_lr()[0]
         if is_step:
             metrics["actor_grad_norm"] = self.strategy.get_grad_norm(self.actor)
             weights["actor_grad_norm"] = None
-        for key, value in self._tree_metrics.items():
+        for key, value in self.forkrl.host.metrics.items():
             metrics[key], weights[key] = value, "sample"
         return status
+
+
+class OpenRLHFHost:
+    """An ``ActorPPOTrainer``'s :class:`~forkrl.core.train.HostAdapter`: OpenRLHF's side of the tree loop.
+
+    Its micro-batches are ``(Experience, loss_batch_info)`` pairs; its loss is OpenRLHF's own
+    ``training_step`` with the actor replaced by the tree's leaves (:class:`_LeafActor`) and the
+    strategy's backward capturing the loss (:class:`_LossCapture`); its engine is DeepSpeed's.
+
+    Attributes:
+        window: the optimizer step's micro-batches as ``ppo_train`` formed them (the rows before
+            rebalancing: ``training_step`` finds its micro-batch in it).
+        start: the window's first micro-batch's index in ``ppo_train``'s order.
+        kl_ctl: the window's KL coefficient.
+        device: the actor's device.
+        balance: rows move between the ranks (``--forkrl.tree_balance``, decided at setup).
+        statuses: per micro-batch of the trained window, OpenRLHF's ``training_step`` status.
+        metrics: the window's ``tree/*`` figures.
+    """
+
+    def __init__(self, trainer: TreeActorPPOTrainer) -> None:
+        self.trainer = trainer
+        self.window: list[MicroBatch] = []
+        self.start = 0
+        self.kl_ctl = 0.0
+        self.device: torch.device | None = None
+        self.balance = False
+        self.statuses: list[dict | None] = []
+        self.metrics: dict[str, float] = {}
+        # Under ring attention, this rank's micro-batches of its group's window (module docstring).
+        self._mine: list[int] | None = None
+        self._owned: list[int] = []
+
+    def parallel(self) -> ParallelContext:
+        return ParallelContext(self.device, lockstep=world_size() > 1)
+
+    def balancing(self, window: Sequence[MicroBatch]) -> bool:
+        return self.balance
+
+    def rebalance(self, window: Sequence[MicroBatch], cost: CostModel) -> tuple[list[MicroBatch], Rebalanced]:
+        """The window's rows over the ranks by tree cost (the same normalisers)."""
+        return balance_window(list(window), self.device, cost)
+
+    def inputs(self, window: Sequence[MicroBatch]) -> StepInputs:
+        ring = compat.ring_group()
+        self._mine = None
+        if ring is not None:
+            tokens = [int(e.attention_mask.sum()) for e, _ in window]
+            self._mine = share_micro_batches(tokens, dist.get_world_size(ring), dist.get_rank(ring))
+        self._owned = list(range(len(window))) if self._mine is None else self._mine
+        self.statuses = [None] * len(window)
+        layouts = [
+            _layout(e.sequences, e.action_mask, e.attention_mask)
+            for e, _ in map(window.__getitem__, self._owned)
+        ]
+        return StepInputs(layouts, self._images(window))
+
+    def _images(self, window: Sequence[MicroBatch]) -> list[list[Image]] | None:
+        """Per row of this rank's micro-batches (in order), its images; None for a text-only actor.
+        A refusal on any rank stops every rank here, before the step's collectives and before any
+        gradient."""
+        if not self.trainer._is_vlm:
+            return None
+        images: list[list[Image]] = []
+        error = None
+        try:
+            for i in self._owned:
+                experience = window[i][0]
+                rows = int(experience.sequences.shape[0])
+                images.extend(
+                    row_images(getattr(experience, "mm_train_inputs", None), rows)
+                    or [[] for _ in range(rows)]
+                )
+        except ValueError as err:  # UnsupportedModelError included
+            error = err
+        if not all_ok(error is None, self.device):
+            raise error or RuntimeError(
+                "another data-parallel rank refused this step's images (see its error); nothing was changed"
+            )
+        return images
+
+    def router_weights(self, window: Sequence[MicroBatch]) -> list[float] | None:
+        trainer = self.trainer
+        return [trainer._router_weight(self.start + i) for i in self._owned] if trainer.aux_loss else None
+
+    def loss(self, window: Sequence[MicroBatch], router: RouterLoss | None) -> StepLoss:
+        trainer, owned = self.trainer, self._owned
+        # A ring group's share: each rank backpropagates R times its micro-batches' loss (module docstring).
+        scale = 1 if self._mine is None else dist.get_world_size(compat.ring_group())
+
+        def loss_fn(j: int, logps: torch.Tensor, entropies: torch.Tensor | None) -> torch.Tensor:
+            i = owned[j]
+            experience, info = window[i]
+            capture = _LossCapture(trainer.strategy)
+            aux = router_value(router, j, logps.device)
+            with trainer._standing_in(_LeafActor(trainer.actor, logps, entropies, aux), capture):
+                self.statuses[i] = ActorPPOTrainer.training_step(
+                    trainer, experience, self.kl_ctl, self.start + i, info
+                )
+            if capture.loss is None:
+                raise RuntimeError(
+                    "tree step: OpenRLHF's training_step did not hand a loss to strategy.backward"
+                )
+            return capture.loss * scale if scale != 1 else capture.loss
+
+        return StepLoss(loss_fn, "general", entropy=trainer.args.actor.entropy_coef is not None)
+
+    def context(self) -> AbstractContextManager:
+        return compat.ring_attention_off()  # the tree computes whole sequences on each rank
+
+    def log(self, metrics: dict[str, float]) -> None:
+        """The window's figures, and under ring attention every micro-batch's status on every rank of
+        the group. Before DeepSpeed's backward (the runner hands over after this): under ZeRO-3 its
+        reduction may still be in flight when it returns, until the step, and a collective issued
+        meanwhile was seen to read a half-reduced buffer (gloo, 2 ranks)."""
+        if self._mine is not None:
+            self.statuses = _gather_statuses(self.statuses, self._mine, compat.ring_group(), self.device)
+        self.metrics = dict(metrics)
+
+    def hand_over(self, replica: AliasReplica) -> None:
+        """Micro-batch 0's backward: the window's gradient, while the parameters are whole (ZeRO-3:
+        DeepSpeed's one reduce-scatter of the window); the later micro-batches hand over zero."""
+        self.trainer._hand_over(replica.gradient_surrogate())

@@ -7,7 +7,8 @@ registered policy loss, ``agg_loss`` mode, KL and entropy term, rollout importan
 
 One call trains one mini-batch of this rank (an optimizer step): veRL's own micro-batch partition
 (fixed size or dynamic batch size) is kept, because its loss may normalise by a micro-batch's
-width; all micro-batches are one forest for :class:`forkrl.core.train.TreeStep`; veRL's loss runs
+width; all micro-batches are one forest for the engine's :class:`forkrl.core.train.TreeRunner`
+(``self.forkrl``; veRL's side of it is :class:`VeRLHost`); veRL's loss runs
 per micro-batch on the tree's log-probs, placed as veRL places its own (nested over whole rows,
 rolled by one); one tree backward; the gradients are reduce-scattered into FSDP2's shards once.
 Old and reference log-probs (``forward_only``) are scored as one forest too.
@@ -38,24 +39,35 @@ priced by a cost model fitted to every rank's measured steps.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from contextlib import nullcontext
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 
 import torch
 from verl.utils.device import get_device_id, get_device_name
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-from forkrl.core import RowLayout, TreeOptions, TreeStep, UnsupportedModelError
-from forkrl.core.balance import OnlineCostModel, forest_stats
+from forkrl.core import RowLayout, TreeOptions, UnsupportedModelError
+from forkrl.core.balance import CostModel, Rebalanced
+from forkrl.core.executor import RouterLoss
 from forkrl.core.executor.vision import Image, images_from
-from forkrl.core.train import StepInputs, StepLoss, all_ok, share_micro_batches
+from forkrl.core.train import (
+    AliasReplica,
+    ParallelContext,
+    StepInputs,
+    StepLoss,
+    TreeRunner,
+    all_ok,
+    share_micro_batches,
+)
 
 from . import compat
 from .balance import balance_mini_batch
 from .ulysses import gather_outputs
 
-__all__ = ["BACKEND", "TreeFSDPEngineWithLMHead"]
+__all__ = ["BACKEND", "TreeFSDPEngineWithLMHead", "VeRLHost"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +108,8 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
             )
         object.__setattr__(engine_config, "strategy", "fsdp2")
         super().__init__(model_config, engine_config, optimizer_config, checkpoint_config, *args, **kwargs)
-        self._tree_steps: dict[float, TreeStep] = {}
-        self._cost_model = OnlineCostModel()
+        # forkrl's tree loop (one TreeStep per sampling temperature), with veRL's side (VeRLHost).
+        self.forkrl = TreeRunner(self._tree_options, VeRLHost(self))
         logger.info("forkrl: veRL engine %s active (%s)", BACKEND, self._tree_options)
 
     # ------------------------------------------------------------------ the override
@@ -106,40 +118,24 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if not self._tree_options.tree_enabled:
             return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
         self._refuse_on_every_rank(data)
-        balanced, count = None, compat.fixed_micro_batch_count(data)
-        if not forward_only and self._balancing(data):  # the mini-batch's rows over the ranks by tree cost
-            group = self.get_data_parallel_group()
-            data, balanced = balance_mini_batch(
-                data, self._cost_model.model, group=group, min_rows=count or 1
-            )
-        compat.global_batch_info(self, data)
-        if balanced is not None:  # the row count may have changed: the micro-batch count must not
-            micro_batches, indices = compat.micro_batches_of_any_size(self, data, count)
-        else:
-            micro_batches, indices = compat.micro_batches(self, data)
-        micro_batches = [mb.to(get_device_id()) for mb in micro_batches]  # as stock forward_step does
-        mine = self._share(micro_batches)  # under Ulysses: this rank's share of them (module ulysses)
-        own = micro_batches if mine is None else [micro_batches[i] for i in mine]
-        layouts = [_layout(mb) for mb in own]
-        images = _window_images(own)  # per row of the window, its images (None: no row has any)
-        step = self._step(micro_batches)
-        entropy = bool(compat.non_tensor(data, "calculate_entropy", False))
-        dtype = getattr(self, "_autocast_dtype", torch.float32)
-        autocast = (
-            nullcontext()
-            if dtype == torch.float32
-            else torch.autocast(device_type=get_device_name(), dtype=dtype)
-        )
-        with autocast, compat.ulysses_off(self), compat.transformers_forwards(self.module):
-            try:
-                if forward_only:
-                    outputs = self._score(step, own, layouts, loss_function, entropy, images)
-                else:
-                    outputs = self._train(
-                        step, own, layouts, loss_function, entropy, data, balanced, mine, images
-                    )
-            except UnsupportedModelError as err:
-                raise err.for_host(WAY_OUT) from err
+        host = self.forkrl.host
+        host.begin(data, loss_function)
+        (temperature,) = _temperatures([data])  # one: checked by _refuse on every rank
+        try:
+            if forward_only:
+                outputs = self._score(host, data, temperature)
+            else:
+                run = self.forkrl.step(
+                    self.module,
+                    [data],
+                    # tree_mode auto replays under veRL's checkpointing (on in its default config)
+                    bool(self.model_config.enable_gradient_checkpointing),
+                    temperature,
+                )
+                outputs = host.outputs(run.result, data)
+        except UnsupportedModelError as err:
+            raise err.for_host(WAY_OUT) from err
+        micro_batches, mine = host.micro_batches, host.mine
         if mine is not None:  # the Ulysses group's micro-batches, on every rank of it
             outputs = gather_outputs(
                 outputs,
@@ -150,70 +146,27 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                     micro_batches[i], lp.to(get_device_id()), None if ent is None else ent.to(get_device_id())
                 ),
             )
-        return compat.postprocess(outputs, indices, data)
+        return compat.postprocess(outputs, host.indices, data)
 
-    # ------------------------------------------------------------------ the two passes
-    def _score(self, step, micro_batches, layouts, loss_function, entropy: bool, images) -> list[dict]:
-        scored = step.score_window(self.module, layouts, entropy=entropy, images=images)
-        outputs = []
-        for mb, (lp, ent) in zip(micro_batches, scored, strict=True):
-            model_output = _model_output(mb, lp, ent)
-            loss, metrics = torch.tensor(1.0), {}
-            if loss_function is not None:
-                loss, metrics = loss_function(
-                    model_output=model_output, data=mb, dp_group=self.get_data_parallel_group()
+    def _score(self, host: VeRLHost, data, temperature: float) -> list[dict]:
+        """``forward_only``: the micro-batches' log-probs (and entropies) as one forest, and veRL's
+        loss function on them where it passes one."""
+        inputs = host.split(data)
+        with host.context():
+            scored = self.forkrl.tree(temperature).score_window(
+                self.module, inputs.layouts, entropy=host.entropy, images=inputs.images
+            )
+            outputs = []
+            for mb, (lp, ent) in zip(host.own, scored, strict=True):
+                model_output = _model_output(mb, lp, ent)
+                loss, metrics = torch.tensor(1.0), {}
+                if host.loss_function is not None:
+                    loss, metrics = host.loss_function(
+                        model_output=model_output, data=mb, dp_group=self.get_data_parallel_group()
+                    )
+                outputs.append(
+                    {"model_output": model_output, "loss": float(loss.detach()), "metrics": metrics}
                 )
-            outputs.append({"model_output": model_output, "loss": float(loss.detach()), "metrics": metrics})
-        return outputs
-
-    def _train(
-        self, step, micro_batches, layouts, loss_function, entropy: bool, data, balanced, mine, images
-    ) -> list[dict]:
-        last: dict[int, tuple[torch.Tensor, dict]] = {}
-        # A Ulysses group's share (``mine``): each backpropagates sp times its loss (module ulysses).
-        scale = 1 if mine is None else self.ulysses_sequence_parallel_size
-
-        def loss_fn(i: int, logps: torch.Tensor, ents: torch.Tensor | None) -> torch.Tensor:
-            model_output = _model_output(micro_batches[i], logps, ents if entropy else None)
-            loss, metrics = loss_function(
-                model_output=model_output, data=micro_batches[i], dp_group=self.get_data_parallel_group()
-            )
-            last[i] = (loss, metrics)  # the bridge evaluates the real values last
-            return loss * scale if scale != 1 else loss
-
-        result = step.train(
-            self.module,
-            StepInputs(layouts, images),
-            StepLoss(loss_fn, entropy=entropy),
-            # tree_mode auto replays under veRL's checkpointing (on in its default config)
-            gradient_checkpointing=bool(self.model_config.enable_gradient_checkpointing),
-        )
-        keep_output = bool(compat.non_tensor(data, "return_model_output", False))
-        per_row = iter(result.objective.logprobs)
-        outputs = []
-        for i, mb in enumerate(micro_batches):
-            loss, metrics = last[i]
-            out = {"loss": float(loss.detach()), "metrics": dict(metrics)}
-            rows = [next(per_row) for _ in layouts[i].sequences]
-            if keep_output:
-                out["model_output"] = _model_output(mb, layouts[i].to_host(torch.cat(rows)), None)
-            outputs.append(out)
-        figures = result.metrics
-        if mine is not None:  # the Ulysses group's step: tokens summed, times maxed
-            figures = figures.reduced(get_device_id(), group=self.ulysses_parallel_group)
-        extra = figures.as_dict()
-        if balanced is not None:
-            extra["tree/balance_cost_fitted"] = float(self._cost_model.fitted)
-            # Every rank's shape and time of this step: the next plans are priced by the refitted model.
-            measured = self._cost_model.observe(
-                forest_stats(result.forest),
-                result.metrics.backward_time,
-                group=self.get_data_parallel_group(),
-            )
-            extra.update(balanced.metrics(measured=measured))
-        if mine is None or mine[0] == 0:  # once per step: on the first micro-batch
-            for key, value in extra.items():
-                outputs[0]["metrics"][key] = Metric(value=value, aggregation=AggregationType.MEAN)
         return outputs
 
     def _share(self, micro_batches) -> list[int] | None:
@@ -242,12 +195,6 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         if getattr(self.engine_config, "forkrl_balance_unsafe", None) is not None:
             return False  # the loss depends on the rows' grouping (refused at config time under "on")
         return not compat.non_tensor(data, "return_model_output", False)  # per-row outputs stay on their rank
-
-    def _step(self, micro_batches) -> TreeStep:
-        (temperature,) = _temperatures(micro_batches)  # one: checked by _refuse on every rank
-        if temperature not in self._tree_steps:
-            self._tree_steps[temperature] = TreeStep(self._tree_options, temperature=temperature)
-        return self._tree_steps[temperature]
 
     def _refuse_on_every_rank(self, data) -> None:
         """:meth:`_refuse`, agreed over the world group before the first collective of the step:
@@ -405,3 +352,130 @@ def _model_output(micro_batch, logps: torch.Tensor, entropies: torch.Tensor | No
     if entropies is not None:
         out["entropy"] = torch.nested.nested_tensor_from_jagged(entropies, offsets)
     return out
+
+
+class VeRLHost:
+    """The engine's :class:`~forkrl.core.train.HostAdapter`: veRL's side of the tree loop.
+
+    A window is one mini-batch (``[data]``, one ``DataProto``): rebalanced as a whole
+    (:func:`~forkrl.plugins.verl.balance.balance_mini_batch`), then split into veRL's own
+    micro-batches (fixed size or dynamic; the same count after rebalancing) and, under Ulysses, this
+    rank's share of them (module :mod:`forkrl.plugins.verl.ulysses`). Its loss is veRL's
+    ``loss_function`` per micro-batch on the tree's values placed as veRL places its own.
+
+    Attributes (of the current call, set by :meth:`begin` and :meth:`split`):
+        micro_batches: the mini-batch's micro-batches, on the device; ``indices`` veRL's order of them.
+        mine: under Ulysses, the indices this rank runs (None: all); ``own`` those micro-batches,
+            ``layouts`` theirs.
+        entropy: veRL asks for entropies (``calculate_entropy``).
+    """
+
+    def __init__(self, engine: TreeFSDPEngineWithLMHead) -> None:
+        self.engine = engine
+        self.begin(None, None)
+
+    def begin(self, data, loss_function) -> None:
+        """A new ``forward_backward_batch`` call on ``data``."""
+        self.loss_function = loss_function
+        # Before rebalancing: the micro-batch count must stay veRL's own (its loss may normalise by it).
+        self.count = None if data is None else compat.fixed_micro_batch_count(data)
+        self.entropy = data is not None and bool(compat.non_tensor(data, "calculate_entropy", False))
+        self.balanced = False
+        self.micro_batches: list = []
+        self.indices = None
+        self.mine: list[int] | None = None
+        self.own: list = []
+        self.layouts: list[RowLayout] = []
+        self.last: dict[int, tuple[torch.Tensor, dict]] = {}
+        self.metrics: dict[str, float] = {}
+
+    def split(self, data) -> StepInputs:
+        """``data``'s micro-batches as veRL splits them, this rank's share, their layouts and images."""
+        engine = self.engine
+        compat.global_batch_info(engine, data)
+        if self.balanced:  # the row count may have changed: the micro-batch count must not
+            micro_batches, self.indices = compat.micro_batches_of_any_size(engine, data, self.count)
+        else:
+            micro_batches, self.indices = compat.micro_batches(engine, data)
+        self.micro_batches = [mb.to(get_device_id()) for mb in micro_batches]  # as stock forward_step does
+        self.mine = engine._share(self.micro_batches)  # under Ulysses: this rank's share (module ulysses)
+        self.own = self.micro_batches if self.mine is None else [self.micro_batches[i] for i in self.mine]
+        self.layouts = [_layout(mb) for mb in self.own]
+        return StepInputs(self.layouts, _window_images(self.own))  # images per row (None: no row has any)
+
+    # ------------------------------------------------------------------ HostAdapter
+    def parallel(self) -> ParallelContext:
+        engine = self.engine
+        return ParallelContext(
+            balance_group=engine.get_data_parallel_group(),
+            # veRL averages each rank's metrics; a Ulysses group's step is one: tokens summed, times maxed
+            local_metrics=self.mine is None,
+            metrics_group=None if self.mine is None else engine.ulysses_parallel_group,
+        )
+
+    def balancing(self, window: Sequence) -> bool:
+        return self.engine._balancing(window[0])
+
+    def rebalance(self, window: Sequence, cost: CostModel) -> tuple[list, Rebalanced]:
+        """The mini-batch's rows over the dp ranks by tree cost."""
+        group = self.engine.get_data_parallel_group()
+        data, balanced = balance_mini_batch(window[0], cost, group=group, min_rows=self.count or 1)
+        self.balanced = True
+        return [data], balanced
+
+    def inputs(self, window: Sequence) -> StepInputs:
+        return self.split(window[0])
+
+    def router_weights(self, window: Sequence) -> list[float] | None:
+        return None  # veRL's loss adds no router aux loss
+
+    def loss(self, window: Sequence, router: RouterLoss | None) -> StepLoss:
+        engine, own = self.engine, self.own
+        # A Ulysses group's share: each backpropagates sp times its loss (module ulysses).
+        scale = 1 if self.mine is None else engine.ulysses_sequence_parallel_size
+
+        def loss_fn(i: int, logps: torch.Tensor, ents: torch.Tensor | None) -> torch.Tensor:
+            model_output = _model_output(own[i], logps, ents if self.entropy else None)
+            loss, metrics = self.loss_function(
+                model_output=model_output, data=own[i], dp_group=engine.get_data_parallel_group()
+            )
+            self.last[i] = (loss, metrics)  # the bridge evaluates the real values last
+            return loss * scale if scale != 1 else loss
+
+        return StepLoss(loss_fn, "general", entropy=self.entropy)
+
+    def context(self) -> AbstractContextManager:
+        """veRL's mixed precision as its own forward runs it, Ulysses and veRL's model patches off."""
+        engine = self.engine
+        stack = contextlib.ExitStack()
+        dtype = getattr(engine, "_autocast_dtype", torch.float32)
+        if dtype != torch.float32:
+            stack.enter_context(torch.autocast(device_type=get_device_name(), dtype=dtype))
+        stack.enter_context(compat.ulysses_off(engine))
+        stack.enter_context(compat.transformers_forwards(engine.module))
+        return stack
+
+    def hand_over(self, replica: AliasReplica) -> None:
+        raise RuntimeError("veRL's FSDP2 engine reduces on its own (the runner hands nothing over)")
+
+    def log(self, metrics: dict[str, float]) -> None:
+        self.metrics = dict(metrics)
+
+    # ------------------------------------------------------------------ after the step
+    def outputs(self, result, data) -> list[dict]:
+        """veRL's per-micro-batch outputs of a trained step: loss, metrics (the step's ``tree/*``
+        figures once per step, on its first micro-batch) and, where asked, the model output."""
+        keep_output = bool(compat.non_tensor(data, "return_model_output", False))
+        per_row = iter(result.objective.logprobs)
+        outputs = []
+        for i, mb in enumerate(self.own):
+            loss, metrics = self.last[i]
+            out = {"loss": float(loss.detach()), "metrics": dict(metrics)}
+            rows = [next(per_row) for _ in self.layouts[i].sequences]
+            if keep_output:
+                out["model_output"] = _model_output(mb, self.layouts[i].to_host(torch.cat(rows)), None)
+            outputs.append(out)
+        if self.mine is None or self.mine[0] == 0:  # once per step: on the first micro-batch
+            for key, value in self.metrics.items():
+                outputs[0]["metrics"][key] = Metric(value=value, aggregation=AggregationType.MEAN)
+        return outputs

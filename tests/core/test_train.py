@@ -16,7 +16,7 @@ from forkrl.core import RowLayout, TreeOptions, TreeStep
 from forkrl.core.testing import Float64Mode
 from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err
 from forkrl.core.testing.models import tiny_causal_lm as make_model
-from forkrl.core.train import StepLoss
+from forkrl.core.train import ParallelContext, StepInputs, StepLoss
 
 TOL = 1e-10
 
@@ -165,3 +165,69 @@ def test_share_micro_batches_divides_a_group_contiguously_by_tokens():
     ]
     assert share_micro_batches([90, 5, 5], 2, 0) == [0] and share_micro_batches([90, 5, 5], 2, 1) == [1, 2]
     assert share_micro_batches([4], 2, 0) is None and share_micro_batches([4, 4], 1, 0) is None
+
+
+class _ToyHost:
+    """A host for :class:`TreeRunner` whose micro-batches are lists of ``(prompt, completion)`` rows
+    (padded layouts), its loss ``_losses``' clipped PPO; with ``engine`` it backs the replica's
+    gradient into the model as an engine's backward would."""
+
+    def __init__(self, loss_fn):
+        self.loss_fn, self.logged, self.handed = loss_fn, [], 0
+
+    def parallel(self):
+        return ParallelContext()
+
+    def balancing(self, window):
+        return False
+
+    def rebalance(self, window, cost):
+        raise AssertionError("not balancing")
+
+    def inputs(self, window):
+        rows = sum(len(mb) for mb in window)
+        return StepInputs([_padded(mb)[0] for mb in window], images=[[] for _ in range(rows)])
+
+    def router_weights(self, window):
+        return None
+
+    def loss(self, window, router):
+        assert router is None
+        return StepLoss(self.loss_fn, "general")
+
+    def context(self):
+        return contextlib.nullcontext()
+
+    def hand_over(self, replica):
+        replica.gradient_surrogate().backward()
+        self.handed += 1
+
+    def log(self, metrics):
+        self.logged.append(metrics)
+
+
+@pytest.mark.parametrize("engine", [False, True])
+def test_runner_step_equals_plain_autograd_and_logs_the_step(engine):
+    """:meth:`TreeRunner.step` with a host's micro-batches: the gradient of the host's loss (through
+    an engine's hand-over with ``engine``), a text window's empty image lists dropped, one metrics
+    dict to the host's sink."""
+    from forkrl.core.train import TreeRunner
+
+    model = make_model("llama-gqa")
+    rows_per_mb = [list(mb) for mb in _micro_batches(seed=3)]
+    layouts, masks = zip(*(_padded(mb) for mb in rows_per_mb), strict=True)
+    g = torch.Generator().manual_seed(2)
+    adv = [torch.randn(3, 1, generator=g, dtype=torch.float64) for _ in layouts]
+    old = [torch.randn(lay.shape, generator=g, dtype=torch.float64) * 0.1 - 3 for lay in layouts]
+    loss_fn = _losses("ppo", list(masks), adv, old)
+    host = _ToyHost(loss_fn)
+    with Float64Mode():
+        want, want_loss = _dense_grad(model, rows_per_mb, loss_fn, list(layouts))
+        model.zero_grad(set_to_none=True)
+        runner = TreeRunner(TreeOptions(tree_packing=True), host, engine=engine)
+        run = runner.step(model, rows_per_mb)
+    assert max_rel_err(grads(model), want) < TOL
+    assert abs(float(run.loss) - float(want_loss)) < 1e-12
+    assert host.handed == int(engine) and len(host.logged) == 1
+    assert host.logged[0] == run.metrics and run.metrics["tree/compression"] > 1.0
+    assert run.window == rows_per_mb

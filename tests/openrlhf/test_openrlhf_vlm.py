@@ -216,7 +216,7 @@ def test_vlm_tree_trainer_matches_stock(monkeypatch, name, text_group, stage, fr
     monkeypatch.setattr(
         TreeStep,
         "train",
-        lambda self, *a, **k: with_images.append(k["images"] is not None) or real(self, *a, **k),
+        lambda self, *a, **k: with_images.append(a[1].images is not None) or real(self, *a, **k),
     )
     tree, t_status = _train(args, tree=True, rounds=rounds, model=model)
     assert any(with_images)  # the windows' images reached the tree
@@ -406,7 +406,7 @@ def _vlm_rank(stage: str) -> dict:
     p_stock, p_tree = h.parameters(stock), h.parameters(tree)
     change = _distance(p_stock, before)
     rel = _distance(p_tree, p_stock) / change
-    balanced = bool(tree._balance)
+    balanced = bool(tree.forkrl.host.balance)
     # Video on rank 1 only: both ranks stop before any gradient, neither waits in a collective.
     bad = _rounds(args, mp, seed=20 + 10 * rank)[0]
     if rank == 1:
