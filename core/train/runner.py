@@ -17,7 +17,7 @@ is its host's it supplies through a :class:`HostAdapter`; the runner does the re
    through the engine;
 4. the ``tree/*`` figures combined over the ranks, the cost model's new samples and the
    ``tree/balance_*`` figures, handed to the host's sink (:meth:`HostAdapter.log`). Under an
-   engine they are computed before the hand-over: forkrl's collectives never run while the
+   engine both come before the hand-over: no collective of forkrl's or the host's runs while the
    engine's reduction may be in flight.
 
 Scoring (old-policy and reference log-probs) is :meth:`TreeStep.score` on :meth:`TreeRunner.tree`.
@@ -95,7 +95,8 @@ class HostAdapter(Protocol[M]):
         ...
 
     def log(self, metrics: dict[str, float]) -> None:
-        """The step's ``tree/*`` figures into the host's metrics."""
+        """The step's ``tree/*`` figures into the host's metrics. Under an engine it runs before
+        :meth:`hand_over` (a host's own collectives after the step belong here, not after it)."""
         ...
 
 
@@ -219,15 +220,19 @@ class TreeRunner(Generic[M]):
         if not self.engine:
             result = train(model)
             metrics = self._metrics(result, balanced, parallel)
+            host.log(metrics)
         else:
             replica = self.replica(model)
             with replica.whole():  # ZeRO-3: one all-gather for the step, the hand-over inside it
                 with replica.gathered(grad=True) as plain:
                     result = train(plain)
+                # forkrl's collectives (and the host's, in log) before the engine's backward: under
+                # ZeRO-3 its reduction may still be in flight when it returns, until the optimizer
+                # step, and a collective issued meanwhile was seen to read a half-reduced buffer.
                 metrics = self._metrics(result, balanced, parallel)
+                host.log(metrics)
                 host.hand_over(replica)
                 replica.clear()
-        host.log(metrics)
         return RunResult(result, window, metrics)
 
     def _metrics(
