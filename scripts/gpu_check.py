@@ -1,4 +1,4 @@
-"""One prepared GPU run of everything forkrl can only check on a GPU (issues 14 and 38), at most
+"""One prepared GPU run of everything forkrl can only check on a GPU, at most
 8 minutes on one H100 or H200.
 
 Runs from a plain copy of the working tree: no install step, no network (forkrl is mapped from the

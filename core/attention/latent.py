@@ -8,8 +8,8 @@ them after the cache (``kv_b_proj``, weight viewed ``[H, nope + v, rank]`` as ``
     k_h = [W_uk_h c ; k_rot],    v_h = W_uv_h c
 
 transformers expands after the cache returns the latent, so the ancestors' pieces the tree's cache
-attaches to its returned tensor never reach the attention function (the probe refused MLA models
-for that: "did not receive the keys its cache returned"). Here the expansion is deferred into the
+attaches to its returned tensor never reach the attention function (without the deferral the
+probe refuses MLA models: "did not receive the keys its cache returned"). Here the expansion is deferred into the
 attention (:func:`deferred_expand` replaces each module's ``expand_kv`` for a split pass), and the
 up-projection is absorbed into the queries, the identity DeepSeek's own inference uses:
 

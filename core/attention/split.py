@@ -15,7 +15,7 @@ each part's exact share of the gradient (the same identity ring attention uses).
 The cache reaches the attention as the ancestors' own tensors, one piece per node or replay block
 (:class:`PastPieces`, attached to the node's keys by the executor's cache), and each piece is one
 more part of the merge. Concatenating them, as transformers' cache does, would copy the whole
-context for every node: for long-context replay that copy was half again the memory of the cache
+context for every node: for long-context replay that copy is half again the memory of the cache
 and its gradient together. Query heads that share a key/value head are folded into the query
 length for the unmasked parts, so the pieces are not expanded to the query heads either.
 

@@ -545,8 +545,8 @@ def config_pricing(config, element_size: int = 2) -> Pricing:
     per_scored = float(2 * s["vocab"] * 4)
     return Pricing(
         how="priced from the config's FLOPs, the ideal of no device (no timings: the tree modes are not told "
-        "apart); on one H200 at the 0.5B shape keep reached 3.0x where this ideal was 6.7x (2026-12-04, "
-        "before the level-batched pass; benchmarks/results/gpu.md)",
+        "apart); on one H200 at the 0.5B shape keep measured 3.0x where this ideal is 6.7x (depth-first "
+        "keep, benchmarks/results/gpu.md)",
         costs=PathCosts(
             train={"dense": train, **dict.fromkeys(TREE_MODES, train)},
             score={"dense": forward, "tree": forward},

@@ -124,7 +124,7 @@ class TreeExecutor:
             adding a depth, i.e. a decoder run (:func:`forkrl.core.tree.collapsed`). 0 (default):
             only nodes with one child (a sequence ends there), which cost nothing; 64 saves a run
             where completions share a first token, exact in float64, but with veRL's bf16
-            parameters its update strayed 4.4 rounding gaps from stock's (0.31 without), not yet
+            parameters its update lies 4.4 rounding gaps from stock's (0.31 without), not yet
             understood.
 
     Raises:

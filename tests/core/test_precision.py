@@ -112,7 +112,7 @@ def test_stock_layouts_differ_by_bf16_noise():
 def test_probe_accepts_bf16_hosts_and_still_refuses_broken_caches(monkeypatch):
     """The first-use probes check the architecture in the parameters' precision with autocast off,
     also inside a forward a host wrapped in autocast (accelerate's mixed precision): models exact in
-    float32 are accepted under bf16 autocast (they were refused for bf16 rounding), and a cache that
+    float32 are accepted under bf16 autocast (a probe in bf16 would refuse them for rounding), and a cache that
     drops the ancestors' keys is still refused there."""
     from forkrl.core import UnsupportedModelError
     from forkrl.core.executor import cache
@@ -147,9 +147,9 @@ def test_probe_accepts_bf16_hosts_and_still_refuses_broken_caches(monkeypatch):
 
 def test_a_probe_that_falls_back_leaves_autocast_as_the_host_set_it():
     """Falcon's split-attention probe raises inside the decoder (the pass falls back to its own
-    attention): the probe's autocast-off context used to be closed after the outer one, leaving
-    autocast off for the rest of the process, so the tree and everything after it ran in float32
-    under a bf16 host. The tree's log-probs must be stock's bf16 ones, and autocast still on."""
+    attention): the probe's autocast-off context must close before the outer one; closed after it,
+    it would leave autocast off for the rest of the process, and the tree and everything after it
+    would run in float32 under a bf16 host. The tree's log-probs must be stock's bf16 ones, and autocast still on."""
     import transformers
 
     torch.manual_seed(0)

@@ -363,7 +363,7 @@ def _build(tmp_path, model, config=None, **kw):
 
 def test_settings_no_tree_can_reproduce_are_refused_when_built(model_path, tmp_path):
     """What a tree cannot make exact is refused by name before training, and what it can is
-    checked before the first rollout (issue-37 findings, tried as a user would)."""
+    checked before the first rollout (settings tried as a user would)."""
     from .trl_helpers import save_tiny_llama
 
     # NEFTune: noise per token of each sequence, scaled by the padded length

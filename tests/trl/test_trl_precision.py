@@ -108,8 +108,8 @@ def test_trl_bf16_parameters(name, paths, tmp_path):
 
 
 def test_evaluation_under_bf16_scores_with_the_tree(paths, tmp_path):
-    """Evaluation at every step with TRL's default bf16 (the issue's smallest reproduction: it crashed
-    at step 1): it runs, scores with the tree, and its loss is stock's within bf16 rounding."""
+    """Evaluation at every step with TRL's default bf16 (the smallest case: evaluation at step 1 under
+    autocast): it runs, scores with the tree, and its loss is stock's within bf16 rounding."""
     evals = prompt_dataset(4)
     stock = train(
         paths["qwen2"],
