@@ -10,6 +10,8 @@ import torch.distributed as dist
 
 from forkrl.core.testing.ranks import RankFailed, run_in_subprocess, run_on_ranks
 
+pytestmark = pytest.mark.slow  # starts several processes per test
+
 
 def _sum_of_ranks(scale: float, *, offset: int = 0) -> dict:
     t = torch.tensor([float(dist.get_rank() + offset)])

@@ -38,6 +38,8 @@ from forkrl.plugins.openrlhf.cpu_rollout import ROLLOUT_LOG as CPU_ROLLOUT_LOG
 from tests.e2e.cpu_host import ROLLOUT_LOG
 from tests.e2e.launch import run_launcher
 
+pytestmark = pytest.mark.slow  # OpenRLHF's launcher end to end through Ray
+
 ROOT = Path(__file__).resolve().parents[2]
 CPU_HOST = ROOT / "tests" / "e2e" / "cpu_host"
 STEPS = 2

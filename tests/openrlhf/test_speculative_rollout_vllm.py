@@ -13,6 +13,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+pytestmark = pytest.mark.slow  # the benchmark through vLLM engines
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -13,6 +13,8 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("trl")
 
+pytestmark = pytest.mark.slow  # the benchmark end to end
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -18,6 +18,8 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("trl")
 
+pytestmark = pytest.mark.slow  # TRL's GRPO through a vLLM engine
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -21,6 +21,8 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("trl")
 
+pytestmark = pytest.mark.slow  # vLLM's HTTP server
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from forkrl.core.testing.ranks import clean_env
+
+pytestmark = pytest.mark.slow  # each benchmark end to end
 
 ROOT = Path(__file__).resolve().parents[2]
 

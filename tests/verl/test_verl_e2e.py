@@ -26,6 +26,8 @@ from forkrl.core.testing.ranks import clean_env
 from tests.e2e.launch import run_launcher
 from tests.verl import harness
 
+pytestmark = pytest.mark.slow  # veRL's main_ppo end to end through Ray
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
 GROUP = 4
