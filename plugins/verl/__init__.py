@@ -30,6 +30,7 @@ Needs veRL in the same environment (from a clone: ``pip install -e '.[verl]'``).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 from pathlib import Path
@@ -41,7 +42,6 @@ logger = logging.getLogger(__name__)
 #: The folder of forkrl's override YAMLs (pass it to veRL's --config-path).
 CONFIG_DIR = Path(__file__).resolve().parent / "hydra-config"
 
-_registered = False
 _announced = False
 _announcer = logging.getLogger("forkrl.announce")
 
@@ -71,20 +71,17 @@ AUTOLOAD = "forkrl.plugins.verl.autoload"
 
 
 def register() -> None:
-    """Register forkrl's engine with veRL's ``EngineRegistry`` (idempotent)."""
-    global _registered
-    if _registered:
-        return
+    """Register forkrl's engine with veRL's ``EngineRegistry`` (idempotent).
+
+    Importing :mod:`.engine` registers it. A call made while that module is itself being imported
+    (veRL loads its plugins, this one included, when the engine's first ``verl`` import runs)
+    leaves the registration to that import instead of failing on the half-built module.
+    """
     try:
-        from verl.workers.engine.base import EngineRegistry
+        import verl.workers.engine.base  # noqa: F401
     except ImportError as err:  # pragma: no cover - exercised only without veRL
         raise ImportError(
             "forkrl.plugins.verl needs veRL: pip install -e '.[verl]' in a forkrl clone (verl==0.9.1)"
         ) from err
-    from .engine import BACKEND, TreeFSDPEngineWithLMHead
-
-    EngineRegistry.register(model_type="language_model", backend=BACKEND, device=["cuda", "npu"])(
-        TreeFSDPEngineWithLMHead
-    )
-    _registered = True
-    logger.info("forkrl: veRL plugin loaded; engine backend %r registered for language models", BACKEND)
+    importlib.import_module(f"{__name__}.engine")
+    logger.info("forkrl: veRL plugin loaded (engine backend registered for language models)")

@@ -47,6 +47,7 @@ from contextlib import AbstractContextManager
 import torch
 from verl.utils.device import get_device_id, get_device_name
 from verl.utils.metric import AggregationType, Metric
+from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from forkrl.core import RowLayout, TreeOptions, UnsupportedModelError
@@ -85,6 +86,9 @@ _VIDEO_KEYS = frozenset(
 )
 
 
+# Registered where the class is defined, as veRL registers its own engines: once per process,
+# whichever of veRL's plugin loading (autoload) and forkrl's config imports this module first.
+@EngineRegistry.register(model_type="language_model", backend=BACKEND, device=["cuda", "npu"])
 class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
     """veRL's ``FSDPEngineWithLMHead`` with ``forward_backward_batch`` run over a prefix forest.
 

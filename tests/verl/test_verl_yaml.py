@@ -97,6 +97,26 @@ def test_the_config_class_registers_the_engine_without_plugin_discovery():
     assert out.stdout.strip().splitlines()[-1] == "True"
 
 
+def test_importing_the_engine_before_verl_registers_it_without_a_plugin_failure():
+    """A script that imports forkrl's engine before anything of veRL's: the engine's first ``verl``
+    import makes veRL load its plugins, forkrl's among them, while the engine module is half-built.
+    The engine registers once, and no "plugin failed to load" error is logged."""
+    code = (
+        "import forkrl.plugins.verl.engine\n"
+        "from verl.workers.engine.base import EngineRegistry\n"
+        "print(sorted(EngineRegistry._engines['language_model']['fsdp2_tree']))\n"
+    )
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("VERL_USE_EXTERNAL_MODULES", "VERL_USE_EXTERNAL_PLUGINS")
+    }
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "failed to load" not in out.stderr, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "['cuda', 'npu']"
+
+
 @pytest.mark.parametrize("name", ["forkrl_tree", "forkrl_long_context"])
 def test_yaml_builds_forkrl_configs_and_passes_verl_validation(name, model_path):
     from verl.trainer.main_ppo import need_critic, need_reference_policy
