@@ -30,7 +30,6 @@ Needs veRL in the same environment (from a clone: ``pip install -e '.[verl]'``).
 
 from __future__ import annotations
 
-import importlib
 import logging
 import sys
 from pathlib import Path
@@ -83,5 +82,6 @@ def register() -> None:
         raise ImportError(
             "forkrl.plugins.verl needs veRL: pip install -e '.[verl]' in a forkrl clone (verl==0.9.1)"
         ) from err
-    importlib.import_module(f"{__name__}.engine")
+    from . import engine  # noqa: F401  (registers it; a half-built module is taken as it is)
+
     logger.info("forkrl: veRL plugin loaded (engine backend registered for language models)")
