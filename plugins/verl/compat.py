@@ -70,6 +70,13 @@ def _engine_methods() -> None:
         assert needle in src, needle
 
 
+def _autocast() -> None:
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine, FSDPEngineWithLMHead
+
+    assert "self._autocast_dtype = " in inspect.getsource(FSDPEngine.__init__)
+    assert "_autocast_dtype" in inspect.getsource(FSDPEngineWithLMHead.forward_step)
+
+
 def _micro_batching() -> None:
     from verl.workers.engine import utils
 
@@ -188,6 +195,13 @@ PRIVATES: tuple[Private, ...] = (
         "overridden (forward_backward_batch) and mirrored: the global token count, dp size and sp size it sets "
         "before micro-batching feed veRL's loss normalisation",
         _engine_methods,
+        CHECKED,
+    ),
+    Private(
+        "veRL",
+        "FSDPEngine._autocast_dtype (set in __init__ and from mixed_precision.param_dtype; forward_step's autocast)",
+        "the tree's passes run under the same autocast as veRL's forward_step (none when it is float32)",
+        _autocast,
         CHECKED,
     ),
     Private(
@@ -363,6 +377,12 @@ def transformers_forwards(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for cls, fn in reversed(swapped):
             cls.forward = fn
+
+
+def autocast_dtype(engine) -> torch.dtype:
+    """The dtype veRL's ``forward_step`` autocasts to (float32: no autocast). Read without a
+    default: a veRL that renames it must fail here, not train in another precision."""
+    return engine._autocast_dtype
 
 
 def global_batch_info(engine, data) -> None:

@@ -452,7 +452,7 @@ class VeRLHost:
         """veRL's mixed precision as its own forward runs it, Ulysses and veRL's model patches off."""
         engine = self.engine
         stack = contextlib.ExitStack()
-        dtype = getattr(engine, "_autocast_dtype", torch.float32)
+        dtype = compat.autocast_dtype(engine)
         if dtype != torch.float32:
             stack.enter_context(torch.autocast(device_type=get_device_name(), dtype=dtype))
         stack.enter_context(compat.ulysses_off(engine))
