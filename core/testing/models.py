@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -493,6 +494,22 @@ def grpo_rollouts(
             out.append((p, r))
     out[-1] = out[-2]
     return out
+
+
+def left_padded(rows: Sequence[tuple[Sequence[int], Sequence[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(prompt, completion)`` token lists as the hosts batch them: prompts left-padded to the
+    longest ``P``, completions right-padded to the longest ``C``.
+
+    Returns:
+        ``ids`` ``[B, P + C]`` (0 at padding) and its attention ``mask`` ``[B, P + C]`` (0/1, long).
+    """
+    P, C = max(len(p) for p, _ in rows), max(len(c) for _, c in rows)
+    ids = torch.zeros(len(rows), P + C, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, (p, c) in enumerate(rows):
+        ids[b, P - len(p) : P], mask[b, P - len(p) : P] = torch.tensor(list(p), dtype=torch.long), 1
+        ids[b, P : P + len(c)], mask[b, P : P + len(c)] = torch.tensor(list(c), dtype=torch.long), 1
+    return ids, mask
 
 
 def grads(model: nn.Module) -> list[torch.Tensor]:

@@ -13,7 +13,7 @@ import torch
 
 from forkrl.core import RowLayout, TreeOptions, TreeStep
 from forkrl.core.testing import Float64Mode
-from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err, tiny_causal_lm
+from forkrl.core.testing.models import dense_logprobs, grads, left_padded, max_rel_err, tiny_causal_lm
 from forkrl.core.train import AliasReplica
 
 
@@ -23,11 +23,7 @@ def _rows():
     prompt = rand(14)
     rows = [(prompt, rand(2 + k)) for k in range(4)] + [(rand(5), rand(3))]
     P, C = max(len(p) for p, _ in rows), max(len(c) for _, c in rows)
-    ids = torch.zeros(len(rows), P + C, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, (p, c) in enumerate(rows):
-        ids[b, P - len(p) : P], mask[b, P - len(p) : P] = torch.tensor(p), 1
-        ids[b, P : P + len(c)], mask[b, P : P + len(c)] = torch.tensor(c), 1
+    ids, mask = left_padded(rows)
     return rows, RowLayout.padded(ids, mask, C), mask[:, P:].to(torch.float64)
 
 

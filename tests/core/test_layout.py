@@ -13,7 +13,7 @@ import torch
 
 from forkrl.core import RowLayout, TreeOptions, TreeStep, Window
 from forkrl.core.testing import Float64Mode
-from forkrl.core.testing.models import dense_logprobs
+from forkrl.core.testing.models import dense_logprobs, left_padded
 from forkrl.core.testing.models import tiny_causal_lm as make_model
 
 
@@ -77,12 +77,8 @@ def _dense(model, prompts, completions):
 def test_trl_layout_scores_where_trl_reads_them():
     model = make_model("llama-gqa")
     prompts, completions = _rows()
-    P, C = max(map(len, prompts)), max(map(len, completions))
-    ids = torch.zeros(len(prompts), P + C, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-        ids[b, P - len(p) : P], mask[b, P - len(p) : P] = torch.tensor(p), 1
-        ids[b, P : P + len(c)], mask[b, P : P + len(c)] = torch.tensor(c), 1
+    C = max(map(len, completions))
+    ids, mask = left_padded(list(zip(prompts, completions, strict=True)))
     got = _score_host(model, RowLayout.padded(ids, mask, C))
     want = torch.zeros(len(prompts), C, dtype=torch.float64)
     for b, lp in enumerate(_dense(model, prompts, completions)):

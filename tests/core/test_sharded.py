@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from forkrl.core import RowLayout, TreeOptions, TreeStep
 from forkrl.core.testing import Float64Mode
-from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err, tiny_causal_lm
+from forkrl.core.testing.models import dense_logprobs, grads, left_padded, max_rel_err, tiny_causal_lm
 from forkrl.core.testing.ranks import run_on_ranks
 
 pytestmark = pytest.mark.slow  # FSDP2 on two gloo ranks
@@ -41,11 +41,7 @@ def _sharded_step(case: str) -> dict:
     rows = _rows(rank, g)
     seqs = [p + c for p, c in rows]
     P, C = max(len(p) for p, _ in rows), max(len(c) for _, c in rows)
-    ids = torch.zeros(len(rows), P + C, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, (p, c) in enumerate(rows):
-        ids[b, P - len(p) : P], mask[b, P - len(p) : P] = torch.tensor(p), 1
-        ids[b, P : P + len(c)], mask[b, P : P + len(c)] = torch.tensor(c), 1
+    ids, mask = left_padded(rows)
     layout = RowLayout.padded(ids, mask, C)
     cmask = mask[:, P:].to(torch.float64)
     adv = torch.randn(len(rows), 1, generator=g, dtype=torch.float64)

@@ -14,7 +14,7 @@ import torch
 
 from forkrl.core import RowLayout, TreeOptions, TreeStep
 from forkrl.core.testing import Float64Mode
-from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err
+from forkrl.core.testing.models import dense_logprobs, grads, left_padded, max_rel_err
 from forkrl.core.testing.models import tiny_causal_lm as make_model
 from forkrl.core.train import ParallelContext, StepInputs, StepLoss
 
@@ -34,11 +34,7 @@ def _micro_batches(vocab=61, seed=0):
 def _padded(rows):
     P = max(len(p) for p, _ in rows)
     C = max(len(c) for _, c in rows)
-    ids = torch.zeros(len(rows), P + C, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, (p, c) in enumerate(rows):
-        ids[b, P - len(p) : P], mask[b, P - len(p) : P] = torch.tensor(p), 1
-        ids[b, P : P + len(c)], mask[b, P : P + len(c)] = torch.tensor(c), 1
+    ids, mask = left_padded(rows)
     return RowLayout.padded(ids, mask, C), mask[:, P:].bool()
 
 

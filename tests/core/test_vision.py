@@ -10,7 +10,7 @@ import torch
 from forkrl.core import PrefixForest, TreeExecutor, UnsupportedModelError
 from forkrl.core.executor.vision import Image, VisionBatch
 from forkrl.core.testing import Float64Mode
-from forkrl.core.testing.models import grads, max_rel_err
+from forkrl.core.testing.models import grads, left_padded, max_rel_err
 
 IMAGE, VIDEO, START, END = 290, 291, 288, 289
 
@@ -246,12 +246,9 @@ def test_tree_step_trains_images_with_a_host_loss(gradient):
     for rows in split:
         P = max(score_from[i] for i in rows)
         C = max(len(sequences[i]) - score_from[i] for i in rows)
-        ids = torch.zeros(len(rows), P + C, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for b, i in enumerate(rows):
-            p, c = sequences[i][: score_from[i]], sequences[i][score_from[i] :]
-            ids[b, P - len(p) : P], mask[b, P - len(p) : P] = torch.tensor(p), 1
-            ids[b, P : P + len(c)], mask[b, P : P + len(c)] = torch.tensor(c), 1
+        ids, mask = left_padded(
+            [(sequences[i][: score_from[i]], sequences[i][score_from[i] :]) for i in rows]
+        )
         layouts.append(RowLayout.padded(ids, mask, C))
         masks.append(mask[:, P:].double())
         olds.append(

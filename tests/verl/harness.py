@@ -42,7 +42,13 @@ from verl.workers.utils.losses import ppo_loss  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
 
 import forkrl.plugins.verl as fverl  # noqa: E402
-from forkrl.core.testing.models import byte_llama, byte_tokenizer, grpo_rollouts, save_pretrained  # noqa: E402
+from forkrl.core.testing.models import (  # noqa: E402
+    byte_llama,
+    byte_tokenizer,
+    grpo_rollouts,
+    left_padded,
+    save_pretrained,
+)
 from forkrl.plugins.verl.config import ForkrlFSDPActorConfig  # noqa: E402
 
 fverl.register()
@@ -159,11 +165,7 @@ def batch(
     B = len(rollouts)
     P = max(len(p) for p, _ in rollouts)
     R = max(len(r) for _, r in rollouts)
-    ids = torch.zeros(B, P + R, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, (p, r) in enumerate(rollouts):
-        ids[b, P - len(p) : P], mask[b, P - len(p) : P] = torch.tensor(p), 1
-        ids[b, P : P + len(r)], mask[b, P : P + len(r)] = torch.tensor(r), 1
+    ids, mask = left_padded(rollouts)
     response_mask = mask[:, P:].clone()
     for b, m in enumerate(response_masks or []):
         response_mask[b, : len(m)] *= torch.tensor(m)
