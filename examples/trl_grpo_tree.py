@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import random
 import statistics
 import tempfile
@@ -41,8 +42,12 @@ def quiet_libraries() -> None:
     """The script's output is its own summary: the libraries' progress bars, deprecation notices
     (TRL 1.16 and transformers 5 warn about each other's renamed checkpointing API) and info logs
     are silenced here, at the entry point, never in library code."""
+    import torch
     import transformers
 
+    if not torch.cuda.is_available():
+        # DeepSpeed (imported through accelerate) warns when it falls back to the CPU; here the CPU is asked for.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     transformers.utils.logging.disable_progress_bar()
     warnings.filterwarnings(
         "ignore", category=FutureWarning, module=r"(transformers|trl|peft|accelerate)(\.|$)"
