@@ -5,7 +5,7 @@
   and :class:`StepMetrics` (the ``tree/*`` figures).
 - :mod:`.runner`: :class:`TreeRunner`, the loop around the step every host repeats (balancing and its
   cost model, router weights, images, an engine's hand-over, metrics), and the :class:`HostAdapter`
-  a host supplies.
+  a host supplies (:class:`HostDefaults`: the answers most hosts give).
 - :mod:`.parallel`: :class:`ParallelContext`, how a step relates to the host's other ranks.
 - :mod:`.distributed`: the data-parallel gradient average and cross-rank metrics.
 - :mod:`.sharded`: the step under FSDP2 (gather once into a plain replica, reduce once) and under
@@ -15,7 +15,7 @@
 from .distributed import all_ok, all_reduce_gradients, gather_shares, share_micro_batches, world_size
 from .options import DEFAULT_BLOCK_SIZE, DEFAULT_REPLAY_THRESHOLD, TREE_MODES, TreeMode, TreeOptions
 from .parallel import ParallelContext
-from .runner import HostAdapter, RunResult, TreeRunner, router_value
+from .runner import HostAdapter, HostDefaults, RunResult, TreeRunner, router_value
 from .sharded import AliasReplica, FSDP2Replica, Gather, is_fsdp2, is_zero3
 from .step import MODE_CODES, StepInputs, StepLoss, StepMetrics, StepResult, TreeStep
 
@@ -28,6 +28,7 @@ __all__ = [
     "TREE_MODES",
     "Gather",
     "HostAdapter",
+    "HostDefaults",
     "ParallelContext",
     "RunResult",
     "StepInputs",

@@ -21,12 +21,15 @@ is its host's it supplies through a :class:`HostAdapter`; the runner does the re
    engine's reduction may be in flight.
 
 Scoring (old-policy and reference log-probs) is :meth:`TreeStep.score` on :meth:`TreeRunner.tree`.
+
+An adapter may inherit :class:`HostDefaults`, the answers most hosts give (one process, no router
+loss, no engine, figures kept), and state only what differs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -41,7 +44,7 @@ from .parallel import ParallelContext
 from .sharded import AliasReplica
 from .step import StepInputs, StepLoss, StepResult, TreeStep
 
-__all__ = ["HostAdapter", "RunResult", "TreeRunner", "router_value"]
+__all__ = ["HostAdapter", "HostDefaults", "RunResult", "TreeRunner", "router_value"]
 
 #: A host's micro-batch, in its own type (TRL's prepared inputs, OpenRLHF's ``Experience``, ...).
 M = TypeVar("M")
@@ -52,7 +55,8 @@ class HostAdapter(Protocol[M]):
 
     Every method takes the step's micro-batches in the host's own type (``window``). A host
     without rebalancing returns False from :meth:`balancing` and never sees :meth:`rebalance`; a
-    host without an engine hand-over never sees :meth:`hand_over`.
+    host without an engine hand-over never sees :meth:`hand_over`. :class:`HostDefaults` answers
+    every method but :meth:`inputs` and :meth:`loss` as most hosts do.
     """
 
     def parallel(self) -> ParallelContext:
@@ -98,6 +102,49 @@ class HostAdapter(Protocol[M]):
         """The step's ``tree/*`` figures into the host's metrics. Under an engine it runs before
         :meth:`hand_over` (a host's own collectives after the step belong here, not after it)."""
         ...
+
+
+class HostDefaults(Generic[M]):
+    """The :class:`HostAdapter` answers most hosts give, for an adapter to inherit and override where
+    its host differs; it states :meth:`~HostAdapter.inputs` and :meth:`~HostAdapter.loss` itself.
+
+    Attributes:
+        balance: rows move between the data-parallel ranks (:meth:`balancing`'s answer, decided
+            once at setup so that every rank gives the same; a host that sets it overrides
+            :meth:`rebalance`).
+        metrics: the last step's figures, as :meth:`log` keeps them for the host to report.
+    """
+
+    balance: bool = False
+    metrics: dict[str, float]
+
+    def parallel(self) -> ParallelContext:
+        """One process (or ranks that share nothing with the step), tensors on the model's device."""
+        return ParallelContext()
+
+    def balancing(self, window: Sequence[M]) -> bool:
+        return self.balance
+
+    def rebalance(self, window: Sequence[M], cost: CostModel) -> tuple[list[M], Rebalanced]:
+        raise NotImplementedError(
+            f"{type(self).__name__} moves no rows: it sets balance and overrides rebalance"
+        )
+
+    def router_weights(self, window: Sequence[M]) -> list[float] | None:
+        """No router aux loss in the host's loss."""
+        return None
+
+    def context(self) -> AbstractContextManager:
+        return nullcontext()
+
+    def hand_over(self, replica: AliasReplica) -> None:
+        raise NotImplementedError(
+            f"{type(self).__name__} hands no gradient to an engine: its runner is built with engine=False"
+        )
+
+    def log(self, metrics: dict[str, float]) -> None:
+        """Keep the figures (:attr:`metrics`) for the host to report with its own."""
+        self.metrics = dict(metrics)
 
 
 @dataclass

@@ -66,6 +66,7 @@ from forkrl.core.executor import Image, RouterLoss, images_from
 from forkrl.core.executor.vision import check_model as check_vision_model
 from forkrl.core.train import (
     AliasReplica,
+    HostDefaults,
     ParallelContext,
     StepInputs,
     StepLoss,
@@ -470,12 +471,13 @@ class TreeActorPPOTrainer(ActorPPOTrainer):
         return status
 
 
-class OpenRLHFHost:
+class OpenRLHFHost(HostDefaults[MicroBatch]):
     """An ``ActorPPOTrainer``'s :class:`~forkrl.core.train.HostAdapter`: OpenRLHF's side of the tree loop.
 
     Its micro-batches are ``(Experience, loss_batch_info)`` pairs; its loss is OpenRLHF's own
     ``training_step`` with the actor replaced by the tree's leaves (:class:`_LeafActor`) and the
     strategy's backward capturing the loss (:class:`_LossCapture`); its engine is DeepSpeed's.
+    Inherited from :class:`~forkrl.core.train.HostDefaults`: :meth:`balancing` (:attr:`balance`).
 
     Attributes:
         window: the optimizer step's micro-batches as ``ppo_train`` formed them (the rows before
@@ -494,7 +496,6 @@ class OpenRLHFHost:
         self.start = 0
         self.kl_ctl = 0.0
         self.device: torch.device | None = None
-        self.balance = False
         self.statuses: list[dict | None] = []
         self.metrics: dict[str, float] = {}
         # Under ring attention, this rank's micro-batches of its group's window (module docstring).
@@ -503,9 +504,6 @@ class OpenRLHFHost:
 
     def parallel(self) -> ParallelContext:
         return ParallelContext(self.device, lockstep=world_size() > 1)
-
-    def balancing(self, window: Sequence[MicroBatch]) -> bool:
-        return self.balance
 
     def rebalance(self, window: Sequence[MicroBatch], cost: CostModel) -> tuple[list[MicroBatch], Rebalanced]:
         """The window's rows over the ranks by tree cost (the same normalisers)."""
@@ -585,7 +583,7 @@ class OpenRLHFHost:
         meanwhile was seen to read a half-reduced buffer (gloo, 2 ranks)."""
         if self._mine is not None:
             self.statuses = _gather_statuses(self.statuses, self._mine, compat.ring_group(), self.device)
-        self.metrics = dict(metrics)
+        super().log(metrics)
 
     def hand_over(self, replica: AliasReplica) -> None:
         """Micro-batch 0's backward: the window's gradient, while the parameters are whole (ZeRO-3:

@@ -20,7 +20,7 @@ import torch
 from forkrl.core import RowLayout
 from forkrl.core.balance import CostModel, Rebalanced
 from forkrl.core.executor import Image, RouterLoss, images_from
-from forkrl.core.train import AliasReplica, ParallelContext, StepInputs, StepLoss, router_value
+from forkrl.core.train import AliasReplica, HostDefaults, ParallelContext, StepInputs, StepLoss, router_value
 
 from . import compat
 from .balance import balance_window
@@ -122,8 +122,9 @@ class LeafModel:
         return getattr(self.model, name)
 
 
-class TRLHost:
-    """A TRL trainer's :class:`~forkrl.core.train.HostAdapter` (module docstring).
+class TRLHost(HostDefaults[MicroBatch]):
+    """A TRL trainer's :class:`~forkrl.core.train.HostAdapter` (module docstring); the
+    :class:`~forkrl.core.train.HostDefaults` it inherits answer :meth:`balancing`.
 
     Attributes:
         window: the optimizer step's prepared micro-batches collected so far.
@@ -136,7 +137,6 @@ class TRLHost:
         self.trainer = trainer
         self.window: list[MicroBatch] = []
         self.model: Any = None
-        self.balance = False
         self.engine = bool(getattr(trainer, "is_deepspeed_enabled", False))
 
     def parallel(self) -> ParallelContext:
@@ -146,9 +146,6 @@ class TRLHost:
             average_gradients=several and not self.engine,  # DDP: the tree runs on the unwrapped module
             lockstep=several and self.engine,  # the engine reduces after the step
         )
-
-    def balancing(self, window: Sequence[MicroBatch]) -> bool:
-        return self.balance
 
     def rebalance(self, window: Sequence[MicroBatch], cost: CostModel) -> tuple[list[MicroBatch], Rebalanced]:
         device = window[0][0]["completion_ids"].device

@@ -55,7 +55,7 @@ from forkrl.core.balance import CostModel, Rebalanced
 from forkrl.core.executor import RouterLoss
 from forkrl.core.executor.vision import Image, images_from
 from forkrl.core.train import (
-    AliasReplica,
+    HostDefaults,
     ParallelContext,
     StepInputs,
     StepLoss,
@@ -358,7 +358,7 @@ def _model_output(micro_batch, logps: torch.Tensor, entropies: torch.Tensor | No
     return out
 
 
-class VeRLHost:
+class VeRLHost(HostDefaults):
     """The engine's :class:`~forkrl.core.train.HostAdapter`: veRL's side of the tree loop.
 
     A window is one mini-batch (``[data]``, one ``DataProto``): rebalanced as a whole
@@ -366,6 +366,8 @@ class VeRLHost:
     micro-batches (fixed size or dynamic; the same count after rebalancing) and, under Ulysses, this
     rank's share of them (module :mod:`forkrl.plugins.verl.ulysses`). Its loss is veRL's
     ``loss_function`` per micro-batch on the tree's values placed as veRL places its own.
+    Inherited from :class:`~forkrl.core.train.HostDefaults`: no router loss (veRL's loss adds
+    none), no hand-over (veRL's FSDP2 engine reduces on its own), :meth:`log` keeping the figures.
 
     Attributes (of the current call, set by :meth:`begin` and :meth:`split`):
         micro_batches: the mini-batch's micro-batches, on the device; ``indices`` veRL's order of them.
@@ -430,9 +432,6 @@ class VeRLHost:
     def inputs(self, window: Sequence) -> StepInputs:
         return self.split(window[0])
 
-    def router_weights(self, window: Sequence) -> list[float] | None:
-        return None  # veRL's loss adds no router aux loss
-
     def loss(self, window: Sequence, router: RouterLoss | None) -> StepLoss:
         engine, own = self.engine, self.own
         # A Ulysses group's share: each backpropagates sp times its loss (module ulysses).
@@ -458,12 +457,6 @@ class VeRLHost:
         stack.enter_context(compat.ulysses_off(engine))
         stack.enter_context(compat.transformers_forwards(engine.module))
         return stack
-
-    def hand_over(self, replica: AliasReplica) -> None:
-        raise RuntimeError("veRL's FSDP2 engine reduces on its own (the runner hands nothing over)")
-
-    def log(self, metrics: dict[str, float]) -> None:
-        self.metrics = dict(metrics)
 
     # ------------------------------------------------------------------ after the step
     def outputs(self, result, data) -> list[dict]:

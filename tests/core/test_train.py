@@ -16,7 +16,7 @@ from forkrl.core import RowLayout, TreeOptions, TreeStep
 from forkrl.core.testing import Float64Mode
 from forkrl.core.testing.models import dense_logprobs, grads, left_padded, max_rel_err
 from forkrl.core.testing.models import tiny_causal_lm as make_model
-from forkrl.core.train import ParallelContext, StepInputs, StepLoss
+from forkrl.core.train import HostDefaults, StepInputs, StepLoss
 
 TOL = 1e-10
 
@@ -163,36 +163,21 @@ def test_share_micro_batches_divides_a_group_contiguously_by_tokens():
     assert share_micro_batches([4], 2, 0) is None and share_micro_batches([4, 4], 1, 0) is None
 
 
-class _ToyHost:
+class _ToyHost(HostDefaults):
     """A host for :class:`TreeRunner` whose micro-batches are lists of ``(prompt, completion)`` rows
     (padded layouts), its loss ``_losses``' clipped PPO; with ``engine`` it backs the replica's
-    gradient into the model as an engine's backward would."""
+    gradient into the model as an engine's backward would. The rest is :class:`HostDefaults`'."""
 
     def __init__(self, loss_fn):
         self.loss_fn, self.logged, self.handed = loss_fn, [], 0
-
-    def parallel(self):
-        return ParallelContext()
-
-    def balancing(self, window):
-        return False
-
-    def rebalance(self, window, cost):
-        raise AssertionError("not balancing")
 
     def inputs(self, window):
         rows = sum(len(mb) for mb in window)
         return StepInputs([_padded(mb)[0] for mb in window], images=[[] for _ in range(rows)])
 
-    def router_weights(self, window):
-        return None
-
     def loss(self, window, router):
         assert router is None
         return StepLoss(self.loss_fn, "general")
-
-    def context(self):
-        return contextlib.nullcontext()
 
     def hand_over(self, replica):
         replica.gradient_surrogate().backward()
