@@ -13,8 +13,10 @@ Overrides (each delegates to TRL when its flag is off):
 - ``_get_per_token_logps_and_entropies``: serves those leaves inside the loss (they come as its
   ``model`` argument, a :class:`~forkrl.plugins.trl.host.LeafModel`), and scores old-policy and
   reference log-probs (no-grad calls) with the prefix-shared tree scorer.
-- ``_generate_single_turn`` (``speculative_rollout``): TRL's transformers generation through the
-  exact self-speculative sampler (:class:`forkrl.core.speculative.SelfSpeculativeRollout`).
+- ``_generate_single_turn`` (``speculative_rollout``): handed to the trainer's
+  :class:`forkrl.plugins.trl.speculative.TRLSpeculation` (``self.forkrl_spec``): TRL's transformers
+  generation through the exact self-speculative sampler, or its vLLM engine drafting with forkrl's
+  drafter.
 
 Under DeepSpeed (ZeRO-2/3) the forest trains a replica aliasing the engine's module and the step's
 gradient reaches the engine through one backward (:meth:`forkrl.plugins.trl.host.TRLHost.hand_over`).
@@ -40,16 +42,15 @@ from trl import RLOOTrainer as _TRLRLOOTrainer
 
 from forkrl.core import UnsupportedModelError
 from forkrl.core.executor.vision import check_model as check_vision_model
-from forkrl.core.speculative import SelfSpeculativeRollout, check_drafter
 from forkrl.core.train import TreeRunner, is_fsdp2
-from forkrl.plugins.vllm.speculative import spec_decode_metrics
 
 from ..deepspeed import gathered as deepspeed_gathered
 from ..models import missing_model, no_such_model
-from . import compat, vllm_speculative
+from . import compat
 from .balance import unsafe_reason
 from .config import FORKRL_FIELDS, GRPOConfig, RLOOConfig
 from .host import IMAGE_KEYS, LeafModel, TRLHost, layout, row_images, row_types
+from .speculative import TRLSpeculation
 
 __all__ = ["GRPOTrainer", "RLOOTrainer", "TreeTrainingMixin"]
 
@@ -86,13 +87,9 @@ class TreeTrainingMixin:
         arguments["args"] = config
         # forkrl's tree training (None: off): the loop around the tree step, with TRL's side (host.py)
         self.forkrl: TreeRunner | None = None
-        self._spec_rollout: SelfSpeculativeRollout | None = None
-        self._spec_vllm = bool(config.speculative_rollout and config.use_vllm)
-        self._spec_warned = False
-        with contextlib.ExitStack() as stack:
-            if self._spec_vllm and config.vllm_mode == "colocate":
-                extra = vllm_speculative.colocate_engine_kwargs(config, lambda: self.model)
-                stack.enter_context(compat.vllm_engine_kwargs(extra))
+        # forkrl's speculative generation (None: off), composed like the runner (speculative.py)
+        self.forkrl_spec = TRLSpeculation(self, config) if config.speculative_rollout else None
+        with self.forkrl_spec.engine_arguments(config) if self.forkrl_spec else contextlib.nullcontext():
             super().__init__(**arguments)
         if config.tree_enabled:
             host = TRLHost(self)
@@ -110,16 +107,8 @@ class TreeTrainingMixin:
                 head_precision=head,
             )
             self._check_tree_setup()
-        if config.speculative_rollout:
-            self._check_speculative_setup()
-        if config.speculative_rollout and not self._spec_vllm:
-            self._spec_rollout = SelfSpeculativeRollout(
-                config,
-                temperature=self.temperature,
-                top_k=self.top_k or None,
-                top_p=self.top_p,
-                max_new_tokens=self.max_completion_length,
-            )
+        if self.forkrl_spec is not None:
+            self.forkrl_spec.setup()
 
     # ------------------------------------------------------------------ setup
     def _unwrapped(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -203,17 +192,6 @@ class TreeTrainingMixin:
             return False
         return True
 
-    def _check_speculative_setup(self) -> None:
-        model = self._unwrapped(self.model)
-        if hasattr(model, "peft_config"):
-            raise ValueError(
-                "speculative_rollout does not support PEFT adapters yet (the drafter quantizes the base weights, not "
-                "base + adapter): merge the adapter or set speculative_rollout=False"
-            )
-        if self._is_vlm:
-            raise ValueError("speculative_rollout supports text-only models: set speculative_rollout=False")
-        check_drafter(self.args, model)
-
     # ------------------------------------------------------------------ TRL hooks
     def _get_per_token_logps_and_entropies(
         self,
@@ -280,62 +258,11 @@ class TreeTrainingMixin:
         return loss
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *args, **kwargs):
-        """TRL's generation, or with ``speculative_rollout`` the exact self-speculative sampler."""
-        if self._spec_vllm:
-            return self._generate_vllm_speculative(prompt_ids, images, multimodal_fields, *args, **kwargs)
-        if self._spec_rollout is None or images is not None or multimodal_fields:
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
-        pad_id = self._tokenizer.pad_token_id
-        width = max(len(p) for p in prompt_ids)
-        input_ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
-        for b, ids in enumerate(prompt_ids):
-            input_ids[b, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[b, width - len(ids) :] = 1
-        device = self.accelerator.device
-        with compat.unwrap_for_generation(self) as unwrapped_model, torch.no_grad():
-            sampler = self._speculative_sampler(unwrapped_model, [len(p) for p in prompt_ids])
-            out = sampler.generate(
-                input_ids.to(device),
-                attention_mask.to(device),
-                max_new_tokens=self.max_completion_length,
-                temperature=self.temperature,
-                top_k=self.top_k or None,
-                top_p=self.top_p,
-                eos_token_id=list(self.eos_token_ids),
-                pad_token_id=pad_id,
-                do_sample=getattr(self.generation_config, "do_sample", True) is not False,
-            )
-        lengths = out.completion_lengths.tolist()
-        sink = compat.metrics(self, "train" if self.model.training else "eval")
-        for key, value in out.stats.as_metrics().items():
-            sink[key].append(value)
-        return [out.sequences[b, width : width + n].tolist() for b, n in enumerate(lengths)], None
-
-    def _generate_vllm_speculative(self, *args, **kwargs):
-        """TRL's vLLM generation (vLLM drafts with forkrl's drafter), its ``spec/*`` figures from vLLM's counters."""
-        generation = compat.vllm_generation(self)
-        before = vllm_speculative.counters(generation)
-        start = time.perf_counter()
-        out = super()._generate_single_turn(*args, **kwargs)
-        elapsed = time.perf_counter() - start
-        after = vllm_speculative.counters(generation) if before is not None else None
-        sink = compat.metrics(self, "train" if self.model.training else "eval")
-        sink["spec/rollout_time"].append(elapsed)
-        figures = spec_decode_metrics(before, after) if after is not None else {}
-        if after is not None and not figures and not self._spec_warned:
-            self._spec_warned = True
-            logger.warning(
-                "speculative_rollout: vLLM drafted nothing in this rollout; in server mode start the server with "
-                "`python -m forkrl.plugins.trl.vllm_serve` (see its docstring)"
-            )
-        for key, value in figures.items():
-            sink[key].append(value)
-        return out
-
-    def _speculative_sampler(self, model: torch.nn.Module, prompt_lengths: list[int]):
-        """The sampler, its drafter re-derived from the current weights once per optimizer step."""
-        return self._spec_rollout.sampler(model, self.state.global_step, prompt_lengths)
+        """TRL's generation, or with ``speculative_rollout`` the trainer's :class:`TRLSpeculation`'s."""
+        stock = super()._generate_single_turn
+        if self.forkrl_spec is None:
+            return stock(prompt_ids, images, multimodal_fields, *args, **kwargs)
+        return self.forkrl_spec.generate(stock, prompt_ids, images, multimodal_fields, *args, **kwargs)
 
     # ------------------------------------------------------------------ the window's update
     def _tree_update(self, model) -> torch.Tensor:

@@ -16,6 +16,7 @@ trl = pytest.importorskip("trl")
 
 from forkrl.core import quant  # noqa: E402
 from forkrl.plugins import trl as ftrl  # noqa: E402
+from forkrl.plugins.trl.speculative import TRLSpeculation  # noqa: E402
 
 from .trl_helpers import SPEC, run_recording_rollouts, save_tiny_llama  # noqa: E402
 
@@ -42,7 +43,7 @@ def test_greedy_rollouts_equal_stock(model_path, tmp_path):
 
 def test_sampling_with_tree_packing_refreshes_the_drafter(model_path, tmp_path, monkeypatch):
     refreshed, policies = [], []
-    original_refresh, original_sampler = quant.Drafter.refresh, ftrl.GRPOTrainer._speculative_sampler
+    original_refresh, original_sampler = quant.Drafter.refresh, TRLSpeculation.sampler
 
     def counting(self, model):
         refreshed.append(1)
@@ -54,7 +55,7 @@ def test_sampling_with_tree_packing_refreshes_the_drafter(model_path, tmp_path, 
         return sampler
 
     monkeypatch.setattr(quant.Drafter, "refresh", counting)
-    monkeypatch.setattr(ftrl.GRPOTrainer, "_speculative_sampler", snapshot)
+    monkeypatch.setattr(TRLSpeculation, "sampler", snapshot)
     seen: list = []
     mean_id = lambda c: sum(c) / (260.0 * len(c))  # noqa: E731  (varies within every group)
     _, trainer = run_recording_rollouts(
@@ -66,7 +67,7 @@ def test_sampling_with_tree_packing_refreshes_the_drafter(model_path, tmp_path, 
     assert not torch.equal(
         policies[0]["model.layers.0.mlp.up_proj.weight"], policies[2]["model.layers.0.mlp.up_proj.weight"]
     )
-    drafter = trainer._spec_rollout.current.drafter
+    drafter = trainer.forkrl_spec.rollout.current.drafter
     reference = save_tiny_llama(tmp_path / "last", seed=0)
     from transformers import LlamaForCausalLM
 
@@ -84,7 +85,7 @@ def test_auto_policy_calibrates_and_logs(model_path, tmp_path):
     seen: list = []
     auto = {k: v for k, v in SPEC.items() if k != "speculative_draft_len"} | {"speculative_policy": "auto"}
     _, trainer = run_recording_rollouts(model_path, tmp_path / "a", True, seen, max_steps=1, **auto)
-    policy = trainer._spec_rollout.current.policy
+    policy = trainer.forkrl_spec.rollout.current.policy
     assert policy.mode == "auto" and policy.cost_model is not None
     last = [h for h in trainer.state.log_history if "spec/speculated_fraction" in h][-1]
     assert 0.0 <= last["spec/speculated_fraction"] <= 1.0

@@ -99,7 +99,7 @@ def test_trainer_builds_trls_engine_with_the_drafter(tmp_path, colocated_engines
         "draft_tensor_parallel_size": 1, "draft_sample_method": "probabilistic",
     }  # fmt: skip
     assert kw["disable_log_stats"] is False and kw["distributed_executor_backend"] == "external_launcher"
-    assert trainer._spec_rollout is None  # vLLM generates; forkrl's transformers sampler is not built
+    assert trainer.forkrl_spec.rollout is None  # vLLM generates; forkrl's transformers sampler is not built
     assert vg.LLM.__name__ == "RecordedLLM"  # the swap lasted only while the trainer was built
 
 
