@@ -6,6 +6,12 @@ tokens is split into ``C`` contiguous chunks over a process group (gloo on the C
 rank ``r`` keeps only the keys/values of its chunk (its *shard*) and their gradient. The model is
 replicated on every rank.
 
+Two schedules. ``schedule="parallel"`` (the default, :mod:`.cp_rounds`) computes the prompt on every
+rank at once: rounds of ``C * block_size`` positions, each rank a piece of each round, every rank's
+queries sent to the shards that hold earlier positions (all-gather) and the partials sent back
+(all-to-all). ``schedule="serial"`` runs contiguous chunks on their owners in turn; the responses run
+as below in both. What follows is the serial schedule's unit.
+
 Every forward runs on one rank, its *owner*, with forkrl's attention function ``forkrl_cp``
 selected: at each layer the owner broadcasts its queries, every rank attends them to the part of
 its shard that lies before the unit (an unmasked flash-attention call: ``(out_j, lse_j)``), and the
@@ -54,16 +60,18 @@ communication per unit     none                               per layer: queries
                                                               ``C * n*H*(d+1)`` gathered at the owner;
                                                               backward ``n*H*(2d+1)`` broadcast and
                                                               ``n*H*d`` reduced
-compute                    one prefill, one replay            the same total, run by the owners in
-                                                              position order (the group's memory,
-                                                              not its speed, is what grows)
+compute                    one prefill, one replay            serial: the same total, run by the owners
+                                                              in turn (memory, not speed, grows);
+                                                              parallel: ``1/C`` of it on each rank
 =========================  =================================  =====================================
 
 Communication is in the queries, not the keys: per unit it does not grow with the prompt, and
 over the whole prompt it is ``O(P * L * H * d)`` per rank, the same order as an all-gather of the
-cache. The ranks serve in turn (an owner computes, the others serve its attention): wall time is
-single-device replay's plus the collectives; overlapping the owners (ring-style simultaneous chunks)
-is a follow-up.
+cache. Serial: the ranks serve in turn (an owner computes, the others serve its attention), so wall
+time is single-device replay's plus the collectives. Parallel: per round and layer, the round's
+queries ``C * n*H*d`` all-gathered and ``C * n*H*(d+1)`` partials exchanged all-to-all (backward
+``C * n*H*(2d+1)`` and ``C * n*H*d``), with ``n`` a piece (``block_size``); the compute splits ``C``
+ways (the responses still run one at a time).
 
 Supported models: attention-only decoders whose layers all attend fully (Llama, Qwen2/3, Mistral
 without a sliding window, ...; MHA, GQA, MQA). Hybrid and recurrent models (state passed from chunk
@@ -85,28 +93,17 @@ from torch import nn
 from .. import attention, compat
 from ..attention.split import _expand, _fold, _reduce, _unfold
 from ..errors import UnsupportedModelError
+from .cp_rounds import SINGLE_DEVICE as _SINGLE_DEVICE
+from .cp_rounds import Round, RoundAttention, chunk_bounds, rounds, served_backward, served_forward
+from .cp_rounds import kernels as _kernels
 from .model import ModelAdapter
 
 __all__ = ["CP_ATTENTION", "ContextParallelReplay", "ContextParallelResult", "chunk_bounds"]
 
 CP_ATTENTION = "forkrl_cp"
 
-_SINGLE_DEVICE = "TreeExecutor(model, mode='replay', prompt_grad='exact') (single-device long-context replay)"
 _registered = False
 _ACTIVE: _Session | None = None
-
-
-def chunk_bounds(length: int, world: int) -> list[int]:
-    """Contiguous chunks of ``length`` positions over ``world`` ranks, sizes differing by at most one.
-
-    Returns:
-        ``world + 1`` offsets: rank ``r`` holds positions ``[bounds[r], bounds[r + 1])``.
-    """
-    base, extra = divmod(length, world)
-    bounds = [0]
-    for r in range(world):
-        bounds.append(bounds[-1] + base + (1 if r < extra else 0))
-    return bounds
 
 
 @dataclass
@@ -117,13 +114,14 @@ class ContextParallelResult:
         logprobs: one detached ``[R_i]`` tensor per response this rank passed.
         shard_bytes: bytes of this rank's kept key/value shard (all layers).
         shard_grad_bytes: bytes of its key/value gradient shard (0 with ``prompt_grad="none"``).
-        chunk: ``(start, end)`` prompt positions this rank's shard holds.
+        pieces: the ``(start, end)`` prompt spans this rank's shard holds, in shard order (the
+            serial schedule: its one chunk; the parallel schedule: its piece of every round).
     """
 
     logprobs: list[torch.Tensor]
     shard_bytes: int
     shard_grad_bytes: int
-    chunk: tuple[int, int]
+    pieces: list[tuple[int, int]]
 
 
 @dataclass
@@ -152,6 +150,8 @@ class _Session:
     dtype: torch.dtype
     head_dim: int
     unit: _Unit | None = None
+    layout: list[Round] = field(default_factory=list)  # the parallel schedule's rounds (serial: none)
+    round: Round | None = None  # the parallel schedule's current round (None: a served unit)
     last_hidden: torch.Tensor | None = None  # [hidden] the prompt's last row (truncated gradient)
     next_layer: int = 0
     recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -177,16 +177,9 @@ class _Session:
     def partial_forward(self, layer: int, q_fold: torch.Tensor, scale: float) -> torch.Tensor:
         """``[1, kv, m, d + 1]``: this rank's partial ``(out, lse)`` of folded queries over its
         visible shard (zeros and ``-inf`` where nothing is visible)."""
-        n = self.visible()
-        d = q_fold.shape[-1]
-        if n == 0:
-            out = torch.zeros(*q_fold.shape[:-1], d + 1, dtype=self.pack_dtype, device=q_fold.device)
-            out[..., d] = -math.inf
-            return out
-        k = self.keys[layer][:, :, :n].to(q_fold.dtype)
-        v = self.values[layer][:, :, :n].to(q_fold.dtype)
-        o, lse = _kernels(q_fold)[0](q_fold, k, v, 0.0, False, scale=scale)
-        return torch.cat([o.to(self.pack_dtype), lse.to(self.pack_dtype)[..., None]], -1)
+        return served_forward(
+            self.keys[layer], self.values[layer], q_fold, self.visible(), scale, self.pack_dtype
+        )
 
     def partial_backward(
         self, layer: int, q_fold: torch.Tensor, pack: torch.Tensor, scale: float
@@ -194,17 +187,8 @@ class _Session:
         """This rank's share of the query gradient ``[1, kv, m, d]``; its shard's key/value gradient
         is added to its gradient shard here (``pack``: folded ``dout``, ``out``, ``lse``)."""
         n = self.visible()
-        d = q_fold.shape[-1]
-        if n == 0:
-            return torch.zeros_like(q_fold)
-        dt = q_fold.dtype
-        dout, out, lse = pack[..., :d].to(dt), pack[..., d : 2 * d].to(dt), pack[..., 2 * d].contiguous()
-        k = self.keys[layer][:, :, :n].to(dt)
-        v = self.values[layer][:, :, :n].to(dt)
-        dq, dk, dv = _kernels(q_fold)[1](
-            dout.contiguous(), q_fold, k, v, out.contiguous(), lse, 0.0, False, scale=scale
-        )
-        if self.key_grads is not None:
+        dq, dk, dv = served_backward(self.keys[layer], self.values[layer], q_fold, pack, n, scale)
+        if dk is not None and self.key_grads is not None:
             self.key_grads[layer][:, :, :n] += dk.to(self.key_grads[layer].dtype)
             self.value_grads[layer][:, :, :n] += dv.to(self.value_grads[layer].dtype)
         return dq
@@ -227,16 +211,6 @@ class _Session:
             dist.broadcast(pack, self.owner_global(), group=self.group)
             dq = self.partial_backward(layer, q_fold, pack, scale).contiguous()
             dist.reduce(dq, self.owner_global(), op=dist.ReduceOp.SUM, group=self.group)
-
-
-def _kernels(t: torch.Tensor) -> tuple:
-    kernels = attention.kernels_for(t.device, t.dtype, t.shape[-1])
-    if kernels is None:
-        raise UnsupportedModelError(
-            f"context-parallel replay needs flash-attention kernels for {t.dtype} on {t.device.type} (CPU: any "
-            "float dtype; CUDA: bf16/fp16): use " + _SINGLE_DEVICE
-        )
-    return kernels
 
 
 class _ServedAttention(torch.autograd.Function):
@@ -326,7 +300,10 @@ def cp_attention(
     s.next_layer += 1
     s.recorded[layer] = (key, value)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = _ServedAttention.apply(query, key, value, layer, scale)
+    if s.round is not None:
+        out = RoundAttention.apply(query, key, value, s, layer, scale)
+    else:
+        out = _ServedAttention.apply(query, key, value, layer, scale)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -356,7 +333,11 @@ class ContextParallelReplay:
     Args:
         model: a transformers causal LM, attention-only (module docstring), the same on every rank.
         group: the context-parallel process group (None: the default group).
-        block_size: the longest span of a chunk forwarded at once (None: the whole chunk).
+        block_size: the longest span a rank forwards at once (None: its whole chunk).
+        schedule: ``"parallel"``: every rank computes its part of the prompt at the same time
+            (:mod:`.cp_rounds`: rounds of ``C * block_size`` positions, each rank a piece of each);
+            ``"serial"``: contiguous chunks, computed by their owners in turn while the others serve
+            (the group's memory, not its speed, grows with ``C``).
         prompt_grad: ``"exact"``: the reverse replay gives the prompt its gradient; ``"none"``: the
             truncated gradient of single-device replay's ``prompt_grad="none"``: the whole prompt is a
             constant (all ``P`` positions cached, no gradient shard, no replay); only the LM head
@@ -378,11 +359,14 @@ class ContextParallelReplay:
         prompt_grad: str = "exact",
         temperature: float = 1.0,
         reduce_grads: bool = True,
+        schedule: str = "parallel",
     ) -> None:
         if block_size is not None and (
             isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1
         ):
             raise ValueError(f"block_size={block_size!r} must be a positive integer or None")
+        if schedule not in ("parallel", "serial"):
+            raise ValueError(f"schedule={schedule!r} must be one of ('parallel', 'serial')")
         if prompt_grad not in ("exact", "none"):
             raise ValueError(f"prompt_grad={prompt_grad!r} must be one of ('exact', 'none')")
         if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
@@ -395,6 +379,7 @@ class ContextParallelReplay:
         self.prompt_grad = prompt_grad
         self.temperature = float(temperature)
         self.reduce_grads = reduce_grads
+        self.schedule = schedule
         cfg = self.adapter.config
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
@@ -458,27 +443,41 @@ class ContextParallelReplay:
             logprobs=logprobs,
             shard_bytes=nbytes(session.keys) + nbytes(session.values),
             shard_grad_bytes=grad_bytes,
-            chunk=(session.bounds[rank], session.bounds[rank + 1]),
+            pieces=[rd.pieces[rank] for rd in session.layout]
+            or [(session.bounds[rank], session.bounds[rank + 1])],
         )
 
     # ------------------------------------------------------------------ the steps
     def _steps(self, s: _Session, prompt, responses, coefficients, lengths) -> list[torch.Tensor]:
-        for owner in range(s.world):  # 1. prefill, in position order
-            for start, end in self._blocks(s, owner):
-                self._unit(s, _Unit(owner, start, end - start, grad=False), prompt[start:end])
+        self._prompt(s, prompt, grad=False)  # 1. prefill, in position order
         if self.prompt_grad == "none":  # the last prompt row, a constant, predicts each first token
             if s.last_hidden is None:
                 h = self.adapter.config.hidden_size
                 s.last_hidden = torch.empty(h, dtype=self.adapter.head.weight.dtype, device=self.device)
             dist.broadcast(s.last_hidden, s.global_ranks[s.world - 1], group=s.group)
         out = self._responses(s, prompt, responses, coefficients, lengths)
-        if self.prompt_grad == "exact":  # 3. reverse replay, the last block first
-            for owner in reversed(range(s.world)):
-                for start, end in reversed(self._blocks(s, owner)):
-                    self._unit(s, _Unit(owner, start, end - start, grad=True), prompt[start:end])
+        if self.prompt_grad == "exact":  # 3. reverse replay, the last round or block first
+            self._prompt(s, prompt, grad=True)
         if self.reduce_grads:  # 4. every rank: the whole step's gradient
             self._sum_grads()
         return out
+
+    def _prompt(self, s: _Session, prompt: torch.Tensor, grad: bool) -> None:
+        """The prompt in position order (prefill) or reverse (replay, ``grad``): parallel, every rank
+        its piece of each round at once; serial, each chunk's blocks on their owner in turn."""
+        order = reversed if grad else list
+        for rd in order(s.layout):
+            a, b = rd.pieces[s.rank]
+            s.round = rd  # its attention is RoundAttention
+            try:
+                self._unit(s, _Unit(s.rank, a, b - a, grad=grad), prompt[a:b])
+            finally:
+                s.round = None
+        if s.layout:
+            return
+        for owner in order(range(s.world)):
+            for start, end in order(self._blocks(s, owner)):
+                self._unit(s, _Unit(owner, start, end - start, grad=grad), prompt[start:end])
 
     def _responses(self, s: _Session, prompt, responses, coefficients, lengths) -> list[torch.Tensor]:
         """2. Every rank's responses in turn, one at a time; exact: the last prompt token in front."""
@@ -519,7 +518,8 @@ class ContextParallelReplay:
         recorded, s.recorded = s.recorded, {}
         result = []
         if unit.start < s.bounds[-1]:  # a prompt block: its keys/values into this rank's shard
-            a, b = unit.start - s.bounds[s.rank], unit.start - s.bounds[s.rank] + unit.length
+            a = s.round.offsets[s.rank] if s.round is not None else unit.start - s.bounds[s.rank]
+            b = a + unit.length
             if not unit.grad:
                 for layer, (k, v) in recorded.items():
                     s.keys[layer][:, :, a:b] = k.detach()
@@ -555,7 +555,14 @@ class ContextParallelReplay:
         return float(attn.scaling) if attn is not None else self.head_dim**-0.5
 
     def _session(self, cached: int, rank: int, world: int) -> _Session:
-        bounds = chunk_bounds(cached, world)
+        layout = rounds(cached, world, self.block_size) if self.schedule == "parallel" else []
+        if layout:  # shard sizes: each rank's pieces; responses see every shard whole either way
+            sizes = [sum(rd.pieces[r][1] - rd.pieces[r][0] for rd in layout) for r in range(world)]
+            bounds = [0]
+            for size in sizes:
+                bounds.append(bounds[-1] + size)
+        else:
+            bounds = chunk_bounds(cached, world)
         n = bounds[rank + 1] - bounds[rank]
         dtype = attention.compute_dtype(self.device, self.adapter.head.weight.dtype)
         shape = (1, self.kv_heads, n, self.head_dim)
@@ -585,6 +592,7 @@ class ContextParallelReplay:
             kv_heads=self.kv_heads,
             dtype=dtype,
             head_dim=self.head_dim,
+            layout=layout,
         )
         return s
 

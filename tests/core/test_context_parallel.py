@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow  # several gloo ranks per test
 TOL = 1e-10
 
 
-def _cp_rank(name: str, P: int, block: int, prompt_grad: str, split: str) -> dict:
+def _cp_rank(name: str, P: int, block: int, prompt_grad: str, split: str, schedule: str) -> dict:
     """One rank of context-parallel replay of one prompt and its GRPO group of 8: the errors of its
     whole-group gradient against single-device replay and plain autograd, of a one-rank group
     against single-device replay, of its log-probs, and its kept cache shard beside the
@@ -58,11 +58,13 @@ def _cp_rank(name: str, P: int, block: int, prompt_grad: str, split: str) -> dic
         if prompt_grad == "none":  # the truncated gradient is single-device replay's definition
             dense = replay
         model.zero_grad(set_to_none=True)
-        alone = ContextParallelReplay(model, group=singles[rank], block_size=block, prompt_grad=prompt_grad)
+        alone = ContextParallelReplay(
+            model, group=singles[rank], block_size=block, prompt_grad=prompt_grad, schedule=schedule
+        )
         full = alone.backward(prompt, responses, coefs)
         err_one = max_rel_err(grads(model), replay)
         model.zero_grad(set_to_none=True)
-        cp = ContextParallelReplay(model, block_size=block, prompt_grad=prompt_grad)
+        cp = ContextParallelReplay(model, block_size=block, prompt_grad=prompt_grad, schedule=schedule)
         res = cp.backward(prompt, [responses[i] for i in mine], [coefs[i] for i in mine])
         got = grads(model)
         theirs = [full.logprobs[i] for i in mine]
@@ -77,10 +79,11 @@ def _cp_rank(name: str, P: int, block: int, prompt_grad: str, split: str) -> dic
         "shard": res.shard_bytes,
         "full": full.shard_bytes,
         "grad_shard": res.shard_grad_bytes,
-        "chunk": res.chunk[1] - res.chunk[0],
+        "chunk": sum(b - a for a, b in res.pieces),
     }
 
 
+@pytest.mark.parametrize("schedule", ["parallel", "serial"])
 @pytest.mark.parametrize(
     "nproc, name, P, block, prompt_grad, split",
     [
@@ -89,8 +92,8 @@ def _cp_rank(name: str, P: int, block: int, prompt_grad: str, split: str) -> dic
         (2, "llama-mha", 20, 64, "none", "skewed"),  # truncated; one block per chunk; 8 + 0 responses
     ],
 )
-def test_context_parallel_replay_equals_single_device(nproc, name, P, block, prompt_grad, split):
-    ranks = run_on_ranks(_cp_rank, nproc, name, P, block, prompt_grad, split, timeout=120)
+def test_context_parallel_replay_equals_single_device(nproc, name, P, block, prompt_grad, split, schedule):
+    ranks = run_on_ranks(_cp_rank, nproc, name, P, block, prompt_grad, split, schedule, timeout=120)
     cached = P - 1 if prompt_grad == "exact" else P  # exact: the last prompt token runs with each response
     shards, chunks = [], []
     for r in ranks:
