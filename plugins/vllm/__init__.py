@@ -13,7 +13,8 @@ draft, so the drafter is always the quantized current policy. Without a forkrl d
 changes. The hosts' flags build the engine's ``speculative_config``
 (:func:`forkrl.plugins.vllm.speculative.vllm_speculative_config`).
 
-Checked against vLLM 0.29.0 (``tests/openrlhf/test_vllm_drafter.py::test_contract``).
+Every vLLM private it relies on is a :class:`~forkrl.core.compat.Private` in :mod:`.compat`
+(checked against vLLM 0.29.0 by ``tests/openrlhf/test_vllm_drafter.py``).
 """
 
 from __future__ import annotations
@@ -24,11 +25,10 @@ from typing import Any
 
 import torch.nn.functional as F
 
+from .compat import CHECKED
 from .mirror import DrafterMirror, forkrl_drafter, install_mirror
 
 __all__ = ["CHECKED", "DENSE_CPU", "DrafterMirror", "check_cpu_head_size", "install_mirror", "register"]
-
-CHECKED = "vllm 0.29.0"
 
 #: Set to ``1`` where a host syncs weights into vLLM engines on its CPU worker without forkrl's
 #: drafter (forkrl's CPU runs): their linear weights stay dense too, so ``load_weights`` works.
