@@ -9,8 +9,9 @@ fails the call with that rank's traceback; the other ranks are stopped (they may
 collective the failed rank never reached). :func:`run_in_subprocess` runs a function once in a
 fresh interpreter without launcher variables (the one-process run a multi-rank run is compared with).
 
-A test process may itself hold a one-rank gloo group (host harnesses initialise one), so the ranks
-it launches get an environment without its launcher variables and start their own group.
+A test process may itself hold a one-rank gloo group (a host's test support starts one:
+:func:`forkrl.core.testing.group.start_gloo`), so the ranks it launches get an environment without
+its launcher variables and start their own group.
 :func:`torchrun` runs a script file under torchrun (a host whose own launcher must start the ranks);
 such a script ends with :func:`finish`: a process group still alive at interpreter exit can abort
 the process (SIGABRT) after its work has passed.
@@ -40,7 +41,7 @@ __all__ = [
     "torchrun",
 ]
 
-#: The variables torchrun sets for its ranks (and a one-rank harness sets for itself).
+#: The variables torchrun sets for its ranks (and :func:`~forkrl.core.testing.group.start_gloo` for one rank).
 LAUNCHER_ENV = (
     "RANK",
     "WORLD_SIZE",
@@ -148,7 +149,8 @@ def run_on_ranks(
     torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
     ``MASTER_PORT`` on a free port); with ``init_group`` it joins a gloo group before ``fn`` runs,
     unless importing ``fn``'s module started one (leave it off when the host code under test starts
-    the group from those variables: accelerate, DeepSpeed, a harness imported inside ``fn``). After ``fn`` returns, every rank waits for the others and the group is
+    the group from those variables: accelerate, DeepSpeed, a host's test support started inside
+    ``fn``). After ``fn`` returns, every rank waits for the others and the group is
     destroyed.
 
     Args:
@@ -282,7 +284,7 @@ def _rank_main(call_path: str, result_path: str) -> None:
         if init_group:
             import torch.distributed as dist
 
-            if not dist.is_initialized():  # fn's module may have started it (a host harness on import)
+            if not dist.is_initialized():  # fn's module may have started it
                 dist.init_process_group("gloo")
         outcome = (True, fn(*args, **kwargs))
     except BaseException:  # noqa: BLE001 (every failure goes back to the parent, as text)
