@@ -6,18 +6,22 @@ every partition whole once per optimizer step with :func:`gathered` (DeepSpeed's
 ``GatheredParameters``, in ``ds_id`` order, the same on every rank; ``modifier_rank=None``, so
 nothing is broadcast back on exit) and runs on a replica aliasing the whole tensors
 (:class:`forkrl.core.train.AliasReplica`, given ``gather=gathered``). core reads the attributes
-only; this module is where DeepSpeed is imported, and :func:`check` is its contract, run by the
-tests of every environment that installs DeepSpeed.
+only; this module is where DeepSpeed is imported, and :data:`PRIVATES` its contract (one
+:class:`~forkrl.core.compat.Private` per fact relied on), run by the tests of every environment
+that installs DeepSpeed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 
 import torch
 
-__all__ = ["CHECKED", "check", "gathered"]
+from forkrl.core.compat import Private
+
+__all__ = ["CHECKED", "PRIVATES", "check", "gathered"]
 
 CHECKED = "deepspeed 0.19.6"
 
@@ -49,19 +53,19 @@ def gathered(params: list[torch.Tensor]) -> Iterator[None]:
         yield
 
 
-def check() -> None:
-    """Raise AssertionError when the installed DeepSpeed no longer behaves as forkrl relies on:
-    ``GatheredParameters(params, modifier_rank)``, and a ZeRO-3 partition's ``ds_id``/``ds_shape``
-    with empty data outside a gather and whole data inside (a one-process ZeRO-3 engine)."""
-    import inspect
+def _gathered_parameters() -> None:
+    import deepspeed
 
+    params = list(inspect.signature(deepspeed.zero.GatheredParameters.__init__).parameters)
+    assert params[1:3] == ["params", "modifier_rank"], f"GatheredParameters{params}"
+
+
+def _zero3_partition() -> None:
     import deepspeed
     import torch.distributed as dist
 
-    params = list(inspect.signature(deepspeed.zero.GatheredParameters.__init__).parameters)
-    assert params[1:3] == ["params", "modifier_rank"], f"GatheredParameters{params} ({CHECKED})"
     if not dist.is_initialized():
-        return  # the partition's attributes need a process group (the plugins' tests have one)
+        return  # a partition needs a process group (the plugins' DeepSpeed tests have one)
     model = torch.nn.Linear(4, 3)
     config = {
         "train_micro_batch_size_per_gpu": 1,
@@ -70,11 +74,42 @@ def check() -> None:
     }
     deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config)
     weight = model.weight
-    assert hasattr(weight, "ds_id") and tuple(weight.ds_shape) == (3, 4), (
-        f"ZeRO-3 partition attributes ({CHECKED})"
-    )
-    assert dist.get_backend(weight.ds_process_group), f"a ZeRO-3 partition's ds_process_group ({CHECKED})"
-    assert weight.numel() == 0, f"a ZeRO-3 partition outside a gather holds data ({CHECKED})"
+    assert hasattr(weight, "ds_id") and tuple(weight.ds_shape) == (3, 4), "ZeRO-3 partition attributes"
+    assert dist.get_backend(weight.ds_process_group), "a ZeRO-3 partition's ds_process_group"
+    assert weight.numel() == 0, "a ZeRO-3 partition outside a gather holds data"
     with gathered([weight]):
-        assert tuple(weight.shape) == (3, 4), f"GatheredParameters left a partition empty ({CHECKED})"
-    assert weight.numel() == 0, f"GatheredParameters did not partition again on exit ({CHECKED})"
+        assert tuple(weight.shape) == (3, 4), "GatheredParameters left a partition empty"
+    assert weight.numel() == 0, "GatheredParameters did not partition again on exit"
+
+
+#: What forkrl's ZeRO-3 gathering relies on in DeepSpeed (the one registry form, checked by the TRL
+#: and OpenRLHF contract tests, and on a real partition by :func:`check` in their DeepSpeed tests).
+PRIVATES: tuple[Private, ...] = (
+    Private(
+        "DeepSpeed",
+        "deepspeed.zero.GatheredParameters(params, modifier_rank)",
+        "gathered() makes every ZeRO-3 partition whole once per optimizer step with it, modifier_rank=None so "
+        "nothing is broadcast back on exit",
+        _gathered_parameters,
+        CHECKED,
+    ),
+    Private(
+        "DeepSpeed",
+        "a ZeRO-3 partition's ds_id, ds_shape, ds_process_group; empty outside a gather, whole inside",
+        "core reads them by attribute (forkrl.core.compat.deepspeed: which parameters are partitions, their "
+        "whole shapes) and the tree's replica aliases the whole tensors inside gathered(); checked on a real "
+        "partition where a process group exists",
+        _zero3_partition,
+        CHECKED,
+    ),
+)
+
+
+def check() -> None:
+    """Check every entry of :data:`PRIVATES` (in a process group: on a real ZeRO-3 partition).
+
+    Raises:
+        AssertionError: naming the entry, what changed and what forkrl relies on it for.
+    """
+    for private in PRIVATES:
+        private.check()

@@ -8,12 +8,22 @@ from __future__ import annotations
 import pytest
 
 from forkrl.core.compat import Private
+from forkrl.plugins import deepspeed as forkrl_deepspeed
 from forkrl.plugins.openrlhf import compat
 
 
 @pytest.mark.parametrize("private", compat.PRIVATES, ids=lambda p: p.name)
 def test_openrlhf_private_is_where_the_plugin_expects_it(private):
     assert isinstance(private, Private) and private.host == "OpenRLHF"
+    private.check()
+
+
+@pytest.mark.parametrize("private", forkrl_deepspeed.PRIVATES, ids=lambda p: p.name)
+def test_deepspeed_private_is_where_the_plugin_expects_it(private):
+    """What forkrl's ZeRO-3 gathering relies on in the DeepSpeed OpenRLHF trains with (a real partition
+    needs a process group: the DeepSpeed tests check that part on one)."""
+    assert isinstance(private, Private) and private.host == "DeepSpeed"
+    assert private.checked == forkrl_deepspeed.CHECKED
     private.check()
 
 
