@@ -11,13 +11,13 @@ Areas: :mod:`.attention` (implementation selection, the attention registry, chec
 :mod:`.cache` (cache layers), :mod:`.ssm` (the Mamba-2 step), :mod:`.scan` (the Mamba-1 scan),
 :mod:`.mla` (latent attention modules), :mod:`.kernels` (torch's attention ops), :mod:`.lowbit`
 (weight-only matmuls), :mod:`.fsdp` (FSDP2), :mod:`.deepspeed` (ZeRO-3 partitions), :mod:`.vision`
-(vision-language modelling internals). Importing the
+(vision-language modelling internals), :mod:`.weights` (tied weights). Importing the
 package imports every area; :data:`PRIVATES` gathers their entries.
 """
 
 from __future__ import annotations
 
-from . import attention, cache, fsdp, kernels, lowbit, mla, scan, ssm, vision
+from . import attention, cache, fsdp, kernels, lowbit, mla, scan, ssm, vision, weights
 from .attention import (
     attention_implementation,
     checkpointing_off,
@@ -96,6 +96,7 @@ from .ssm import (
     ssm_step_modules,
 )
 from .vision import gemma3_vision_masks, llava_next_crops, rope_index, vision_tower
+from .weights import tied_weight_names
 
 __all__ = [
     "efficient_cuda",
@@ -159,6 +160,7 @@ __all__ = [
     "store_conv_state",
     "store_recurrent_state",
     "take_recurrent_state",
+    "tied_weight_names",
     "whole_shape",
 ]
 
@@ -173,4 +175,5 @@ PRIVATES: tuple[Private, ...] = (
     *lowbit.PRIVATES,
     *fsdp.PRIVATES,
     *vision.PRIVATES,
+    *weights.PRIVATES,
 )

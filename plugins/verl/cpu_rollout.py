@@ -23,6 +23,8 @@ import torch
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
+from forkrl.core.compat import tied_weight_names
+
 __all__ = ["HFReplica", "HFServer", "HFServerAdapter"]
 
 
@@ -109,9 +111,7 @@ class HFServer:
     def load_weights(self, state: dict[str, torch.Tensor], global_steps: int | None) -> int:
         """The policy's full weights after an update; every parameter must be covered."""
         missing, unexpected = self.model.load_state_dict(state, strict=False)
-        tied = (
-            getattr(self.model, "_tied_weights_keys", None) or ()
-        )  # tied copies need no weights of their own
+        tied = tied_weight_names(self.model)  # tied copies need no weights of their own
         missing = [k for k in missing if k not in tied]
         if missing or unexpected:
             raise KeyError(
