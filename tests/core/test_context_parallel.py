@@ -126,3 +126,41 @@ def test_chunk_bounds_split_unevenly_by_at_most_one():
 
     assert chunk_bounds(22, 4) == [0, 6, 12, 17, 22]
     assert chunk_bounds(8, 2) == [0, 4, 8]
+
+
+def _benchmark(*args: str) -> dict:
+    """The last JSON line of ``benchmarks.long_context_cp`` run with ``args``."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.long_context_cp", *args],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_each_ranks_collectives_carry_what_the_communication_model_says():
+    """On 4 ranks, with a prompt that splits unevenly (padded pieces) and responses on 3 of them,
+    the bytes each rank's attention collectives receive equal the model, in both schedules."""
+    out = _benchmark("--ranks", "4", "--prompt", "131", "--block", "9", "--group", "3", "--repeats", "1")
+    for r in out["ranks"]:
+        assert r["comm_parallel"] == r["predicted_parallel"], r
+        assert r["comm_serial"] == r["predicted_serial"], r
+        per_token = 4 * 2 * 2 * 32 * 4  # layers * (k, v) * kv heads * head dim * float32
+        assert abs(r["shard_parallel"] - r["shard_serial"]) <= per_token, r  # both ~ (P - 1) / C positions
+    assert out["ranks"][0]["comm_parallel"] != out["ranks"][0]["comm_serial"]  # the model tells them apart
+
+
+@pytest.mark.timing
+def test_the_parallel_schedule_is_faster_than_the_serial_one():
+    """C = 2 ranks, one core each: computing the pieces at once beats the owners in turn."""
+    out = _benchmark("--ranks", "2", "--prompt", "2049", "--block", "256", "--repeats", "3")
+    assert out["parallel_vs_serial"] >= 1.6, out
