@@ -6,7 +6,8 @@
 - :mod:`.runner`: :class:`TreeRunner`, the loop around the step every host repeats (balancing and its
   cost model, router weights, images, an engine's hand-over, metrics), and the :class:`HostAdapter`
   a host supplies (:class:`HostDefaults`: the answers most hosts give).
-- :mod:`.parallel`: :class:`ParallelContext`, how a step relates to the host's other ranks.
+- :mod:`.parallel`: :class:`ParallelContext`, how a step relates to the host's other ranks, and
+  :func:`agreed`, a host's refusal raised on every rank before the step's collectives.
 - :mod:`.distributed`: the data-parallel gradient average and cross-rank metrics.
 - :mod:`.sharded`: the step under FSDP2 (gather once into a plain replica, reduce once) and under
   engines that reduce through parameter hooks (DeepSpeed ZeRO 0-2: an aliasing replica).
@@ -14,7 +15,7 @@
 
 from .distributed import all_ok, all_reduce_gradients, gather_shares, share_micro_batches, world_size
 from .options import DEFAULT_BLOCK_SIZE, DEFAULT_REPLAY_THRESHOLD, TREE_MODES, TreeMode, TreeOptions
-from .parallel import ParallelContext
+from .parallel import ParallelContext, agreed
 from .runner import HostAdapter, HostDefaults, RunResult, TreeRunner, router_value
 from .sharded import AliasReplica, FSDP2Replica, Gather, is_fsdp2, is_zero3
 from .step import MODE_CODES, StepInputs, StepLoss, StepMetrics, StepResult, TreeStep
@@ -39,6 +40,7 @@ __all__ = [
     "TreeOptions",
     "TreeRunner",
     "TreeStep",
+    "agreed",
     "all_ok",
     "all_reduce_gradients",
     "gather_shares",

@@ -7,18 +7,24 @@ the step (then a failure on one rank must be raised on every rank first), and th
 tensors live on. Which ranks balance rows among themselves, and over which the ``tree/*`` figures
 are combined (hosts whose logger averages ranks itself keep each rank's own), may differ from the
 gradient's group (veRL: rows move within a data-parallel group, FSDP gathers over the world).
+
+A refusal a host decides from its own rank's rows (images it cannot take, say) is agreed over the
+ranks before the step's first collective with :func:`agreed`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from .distributed import world_size
+from .distributed import all_ok, world_size
 
-__all__ = ["ParallelContext"]
+__all__ = ["ParallelContext", "agreed"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -59,3 +65,28 @@ class ParallelContext:
     def collective(self) -> bool:
         """Whether other ranks wait on this step's outcome (a failure must reach them)."""
         return self.average_gradients or self.lockstep
+
+
+def agreed(
+    check: Callable[[], T], device: torch.device | str | int, elsewhere: Exception, group: Any = None
+) -> T:
+    """``check()``, its refusal agreed over the ranks of ``group`` (None: the world) before a collective.
+
+    A host decides some refusals from its own rank's rows; a rank that raised alone would leave the
+    others waiting in the step's first collective. Here every rank learns whether any refused: the
+    refusing rank raises its own error, every other rank ``elsewhere``, and nothing has changed on any.
+
+    Args:
+        check: returns what the host needs, or raises ValueError (``UnsupportedModelError``
+            included) to refuse.
+        device: where the agreement's flag lives (the host's collective device).
+        elsewhere: what a rank that did not refuse raises (naming the other rank's error as the cause).
+    """
+    result, error = None, None
+    try:
+        result = check()
+    except ValueError as err:
+        error = err
+    if not all_ok(error is None, device, group):
+        raise error if error is not None else elsewhere
+    return result

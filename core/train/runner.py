@@ -39,6 +39,7 @@ from torch import nn
 from ..balance import CostModel, OnlineCostModel, Rebalanced, forest_stats
 from ..errors import UnsupportedModelError
 from ..executor import RouterLoss
+from ..executor.vision import check_model as check_vision_model
 from .options import TreeOptions
 from .parallel import ParallelContext
 from .sharded import AliasReplica
@@ -213,9 +214,13 @@ class TreeRunner(Generic[M]):
             self._trees[key] = TreeStep(self.options, temperature=key, **self._step_kwargs)
         return self._trees[key]
 
-    def check_model(self, model: nn.Module, way_out: str) -> None:
-        """:meth:`TreeStep.check_model`, a refusal naming the host's ``way_out``."""
+    def check_model(self, model: nn.Module, way_out: str, vision: bool = False) -> None:
+        """:meth:`TreeStep.check_model`, a refusal naming the host's ``way_out``; with ``vision`` (the
+        host loaded a vision-language model) first :func:`~forkrl.core.executor.vision.check_model`
+        on its base model (under a PEFT adapter)."""
         try:
+            if vision:
+                check_vision_model(getattr(model, "get_base_model", lambda: model)())
             self.tree().check_model(model)
         except UnsupportedModelError as err:
             raise err.for_host(way_out) from err

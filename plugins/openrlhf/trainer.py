@@ -63,7 +63,6 @@ from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 from forkrl.core import RowLayout, TreeStep, UnsupportedModelError
 from forkrl.core.balance import CostModel, Rebalanced
 from forkrl.core.executor import Image, RouterLoss, images_from
-from forkrl.core.executor.vision import check_model as check_vision_model
 from forkrl.core.train import (
     AliasReplica,
     HostDefaults,
@@ -71,7 +70,7 @@ from forkrl.core.train import (
     StepInputs,
     StepLoss,
     TreeRunner,
-    all_ok,
+    agreed,
     gather_shares,
     router_value,
     share_micro_batches,
@@ -349,14 +348,9 @@ class TreeActorPPOTrainer(ActorPPOTrainer):
 
     def _check_setup(self) -> None:
         flag = "--forkrl.tree_packing" if self.tree_options.tree_packing else "--forkrl.long_context_replay"
-        module = tree_module(self.actor)
-        try:
-            if self._is_vlm:
-                check_vlm_args(self.strategy.args, self.tree_options)
-                check_vision_model(getattr(module, "get_base_model", lambda: module)())
-        except UnsupportedModelError as err:
-            raise err.for_host(f"train without {flag}") from err
-        self.forkrl.check_model(module, f"train without {flag}")
+        if self._is_vlm:
+            check_vlm_args(self.strategy.args, self.tree_options)
+        self.forkrl.check_model(tree_module(self.actor), f"train without {flag}", vision=self._is_vlm)
 
     @property
     def _is_vlm(self) -> bool:
@@ -529,23 +523,22 @@ class OpenRLHFHost(HostDefaults[MicroBatch]):
         gradient."""
         if not self.trainer._is_vlm:
             return None
-        images: list[list[Image]] = []
-        error = None
-        try:
+
+        def images() -> list[list[Image]]:
+            out: list[list[Image]] = []
             for i in self._owned:
                 experience = window[i][0]
                 rows = int(experience.sequences.shape[0])
-                images.extend(
+                out.extend(
                     row_images(getattr(experience, "mm_train_inputs", None), rows)
                     or [[] for _ in range(rows)]
                 )
-        except ValueError as err:  # UnsupportedModelError included
-            error = err
-        if not all_ok(error is None, self.device):
-            raise error or RuntimeError(
-                "another data-parallel rank refused this step's images (see its error); nothing was changed"
-            )
-        return images
+            return out
+
+        elsewhere = RuntimeError(
+            "another data-parallel rank refused this step's images (see its error); nothing was changed"
+        )
+        return agreed(images, self.device, elsewhere)
 
     def router_weights(self, window: Sequence[MicroBatch]) -> list[float] | None:
         trainer = self.trainer

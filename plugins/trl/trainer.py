@@ -41,7 +41,6 @@ from trl import GRPOTrainer as _TRLGRPOTrainer
 from trl import RLOOTrainer as _TRLRLOOTrainer
 
 from forkrl.core import UnsupportedModelError
-from forkrl.core.executor.vision import check_model as check_vision_model
 from forkrl.core.train import TreeRunner, is_fsdp2
 
 from ..deepspeed import gathered as deepspeed_gathered
@@ -118,12 +117,6 @@ class TreeTrainingMixin:
         return self.accelerator.unwrap_model(model, keep_torch_compile=False)
 
     def _check_tree_setup(self) -> None:
-        if self._is_vlm:
-            base = self._unwrapped(self.model)
-            try:
-                check_vision_model(getattr(base, "get_base_model", lambda: base)())
-            except UnsupportedModelError as err:
-                raise err.for_host("turn tree_packing off") from err
         if self.args.n_gpu > 1:
             raise ValueError(
                 "tree_packing does not support torch.nn.DataParallel (n_gpu > 1): launch one process per device "
@@ -146,7 +139,7 @@ class TreeTrainingMixin:
                 "tree_packing/long_context_replay support FSDP2 only, and this trainer built FSDP1: set fsdp_version: 2 "
                 "in your accelerate config (or fsdp_config={'version': 2, ...}), or turn tree training off"
             )
-        self.forkrl.check_model(model, "turn tree_packing off")
+        self.forkrl.check_model(model, "turn tree_packing off", vision=self._is_vlm)
         base = getattr(model, "get_base_model", lambda: model)()
         if getattr(getattr(base, "config", None), "position_embedding_type", None) == "absolute" or any(
             hasattr(m, name) for m in base.modules() for name in ("wpe", "embed_positions")

@@ -60,7 +60,7 @@ from forkrl.core.train import (
     StepInputs,
     StepLoss,
     TreeRunner,
-    all_ok,
+    agreed,
     share_micro_batches,
 )
 
@@ -204,18 +204,11 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         """:meth:`_refuse`, agreed over the world group before the first collective of the step:
         a refusal on one rank (its rows hold video, say) is raised on every rank, and nothing has
         changed on any (no rank is left waiting in an all-reduce the refusing rank never reaches)."""
-        try:
-            self._refuse(data)
-            error = None
-        except ValueError as err:  # UnsupportedModelError included
-            error = err
-        if not all_ok(error is None, get_device_id()):
-            if error is not None:
-                raise error
-            raise ValueError(
-                "another rank refused this batch before the step (see that rank's error: forkrl's tree engine cannot "
-                "take its rows); nothing was computed or changed on any rank"
-            )
+        elsewhere = ValueError(
+            "another rank refused this batch before the step (see that rank's error: forkrl's tree engine cannot "
+            "take its rows); nothing was computed or changed on any rank"
+        )
+        agreed(lambda: self._refuse(data), get_device_id(), elsewhere)
 
     def _refuse(self, data) -> None:
         """Raise ValueError for what forkrl's tree engine does not run, before any pass: the
