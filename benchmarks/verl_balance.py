@@ -96,8 +96,10 @@ def rank_main(args) -> None:
 
     from forkrl.core.testing.models import llama, save_pretrained, word_tokenizer
     from forkrl.core.testing.ranks import finish, report
-    from tests.verl import harness as h
+    from forkrl.core.testing.stock import relative_difference
+    from forkrl.plugins.verl import testing as h
 
+    h.start()  # veRL on the CPU, in the gloo group torchrun described
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     model = llama(args.model)
@@ -136,10 +138,7 @@ def rank_main(args) -> None:
             moved[c] = value[0] if isinstance(value, list) else value
     params = {c: h.parameters(workers[c]) for c in CONFIGS}
     base = params[CONFIGS[0]]
-    change = max((base[n] - init[n]).abs().max().item() for n in base)
-    agreement = (
-        max(max((params[c][n] - base[n]).abs().max().item() for n in base) for c in CONFIGS[1:]) / change
-    )
+    agreement = max(relative_difference(base, params[c], init) for c in CONFIGS[1:])
     out = {
         "rank": rank,
         "rows": {f"{s} / {b}": split[s][rank] for s, b in CONFIGS},

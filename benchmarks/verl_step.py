@@ -7,7 +7,8 @@ weights (float32, SGD with a large step, so that the parameter comparison sees t
 float32 rounding) and alternate step by step, so that machine-load drift hits both alike; the
 old-log-prob pass (``compute_log_prob``) is timed the same way. Reported: median seconds after one
 warm-up, and how far the tree engine's parameters are from stock's after the run (relative to
-stock's change). veRL has no CPU platform: the tests' CPU platform is used (tests/verl).
+stock's change). veRL has no CPU platform: forkrl's test support sets one up
+(:func:`forkrl.plugins.verl.testing.start`).
 
     .venv-verl/bin/python -m benchmarks.verl_step                  # small model, P=2048, G=8, R=256
     .venv-verl/bin/python -m benchmarks.verl_step --model tiny --P 256 --R 32 --steps 1
@@ -26,7 +27,8 @@ from pathlib import Path
 
 from benchmarks.common import machine, print_table
 from forkrl.core.testing.models import SIZES, llama, save_pretrained, word_tokenizer
-from tests.verl import harness as h
+from forkrl.core.testing.stock import relative_difference, update_size
+from forkrl.plugins.verl import testing as h
 
 MODEL_CHOICES = [s for s in SIZES if s != "micro"]
 LR = 20.0
@@ -98,8 +100,7 @@ def run(args) -> tuple[dict, dict, float, float]:
                 if m == "tree":
                     compression = metrics["tree/compression"][0]
         stock, tree = h.parameters(workers["stock"]), h.parameters(workers["tree"])
-        change = max((stock[n] - init[n]).abs().max().item() for n in stock)
-        agreement = max((tree[n] - stock[n]).abs().max().item() for n in stock) / change
+        change, agreement = update_size(stock, init), relative_difference(stock, tree, init)
     return times, {"compression": compression}, agreement, change
 
 
@@ -159,6 +160,7 @@ def report(args, times, extra, agreement) -> None:
 
 def main() -> None:
     args = parse_args()
+    h.start()
     times, extra, agreement, _ = run(args)
     report(args, times, extra, agreement)
 

@@ -8,8 +8,7 @@ import torch
 from verl.workers.utils.padding import no_padding_2_padding
 
 from forkrl.plugins.verl import balance, compat
-
-from . import harness as h
+from forkrl.plugins.verl import testing as h
 
 
 def _equal(a, b) -> bool:

@@ -4,7 +4,7 @@ veRL's own entry point, TaskRunner, Ray workers, TransferQueue, agent loop, rewa
 and checkpointing run a few GRPO steps on a tiny model, launched through forkrl's CPU smoke run
 (``python -m forkrl.plugins.verl.cpu_run``: a CPU platform loaded by veRL's own
 ``VERL_USE_EXTERNAL_MODULES`` hook, and veRL's own vLLM rollout on vLLM's CPU build, or for the tree
-run and its resume pair the Hugging Face rollout with a recorder, :mod:`tests.e2e.cpu_host.verl_host`).
+run and its resume pair the Hugging Face rollout with a recorder, :mod:`forkrl.plugins.verl.testing_host`).
 Each run must exit 0, change the actor's parameters (its saved checkpoint against the initial
 model) and, with forkrl, log ``tree/*`` in veRL's own metrics (its file logger); stock veRL runs
 through the same harness and logs none. On vLLM, veRL's own comparison of the rollout's sampling
@@ -13,150 +13,20 @@ probabilities with the actor's shows that its weight sync reached the engine.
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from forkrl.core.testing.models import byte_llama, byte_tokenizer, save_pretrained
-from forkrl.core.testing.ranks import clean_env
-from tests.e2e.launch import run_launcher
-from tests.verl import harness
+from forkrl.plugins.verl import testing as harness
+from forkrl.plugins.verl.testing_e2e import STEPS, build_inputs, main_ppo, metrics, saved_actor
 
 pytestmark = pytest.mark.slow  # veRL's main_ppo end to end through Ray
-
-ROOT = Path(__file__).resolve().parents[2]
-STEPS = 2
-GROUP = 4
-PROMPTS_PER_STEP = 2
 
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> dict:
     return build_inputs(tmp_path_factory.mktemp("verl-e2e"))
-
-
-def build_inputs(
-    root: Path, system: str = "", pairs: list[tuple[int, int]] | None = None, shape: dict | None = None
-) -> dict:
-    """A tiny Llama with a byte tokenizer (and a chat template, which veRL's dataset applies), and
-    GSM8K-shaped parquet files as veRL's preprocessing scripts write them, under ``root``: one row
-    per ``pairs`` entry, each prompt ``system`` (what the group's rows share beyond the question)
-    then the question; ``shape``: the model's config fields (e.g. :data:`harness.VLLM_SHAPE`)."""
-    import pandas as pd
-
-    tokenizer = byte_tokenizer()
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
-    model = save_pretrained(
-        byte_llama(0, max_position_embeddings=1024, **(shape or {})), tokenizer, root / "model"
-    )
-    system = system or "You are a careful calculator. Answer with the digits of the result only. "
-    pairs = pairs or [(12, 30), (7, 8), (21, 4), (5, 55), (9, 9), (40, 2)]
-    rows = [
-        {
-            "data_source": "digits",
-            "prompt": [{"role": "user", "content": f"{system}What is {a} + {b}?"}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-            "extra_info": {"index": i},
-        }
-        for i, (a, b) in enumerate(pairs)
-    ]
-    pd.DataFrame(rows).to_parquet(root / "train.parquet")
-    pd.DataFrame(rows[:2]).to_parquet(root / "val.parquet")
-    return {"root": root, "model": model}
-
-
-def _overrides(
-    inputs: dict,
-    out: Path,
-    steps: int = STEPS,
-    group: int = GROUP,
-    prompts: int = PROMPTS_PER_STEP,
-    lr: float = 1e-3,
-    max_prompt: int = 128,
-    save_freq: int = 1,
-    micro: int | None = None,
-) -> list[str]:
-    """veRL's overrides for a tiny GRPO run of ``steps`` steps of ``prompts`` prompts x ``group``
-    (training micro-batches of ``micro`` rows, default ``group``), with the reference worker on;
-    the CPU's own settings come from ``forkrl.plugins.verl.cpu_run``."""
-    root = inputs["root"]
-    return [
-        "algorithm.adv_estimator=grpo",
-        f"data.train_files={root / 'train.parquet'}",
-        f"data.val_files={root / 'val.parquet'}",
-        f"data.train_batch_size={prompts}",
-        f"data.max_prompt_length={max_prompt}",
-        "data.max_response_length=16",
-        f"actor_rollout_ref.model.path={inputs['model']}",
-        f"actor_rollout_ref.actor.optim.lr={lr}",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}",
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro or group}",
-        "actor_rollout_ref.actor.use_kl_loss=True",
-        "actor_rollout_ref.actor.kl_loss_coef=0.01",
-        f"actor_rollout_ref.rollout.n={group}",
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={group}",
-        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={group}",
-        f"reward.custom_reward_function.path={Path(__file__).with_name('e2e_reward.py')}",
-        f"trainer.total_training_steps={steps}",
-        "trainer.val_before_train=False",
-        "trainer.test_freq=-1",
-        f"trainer.save_freq={save_freq}",
-        f"trainer.default_local_dir={out / 'ckpt'}",
-        "trainer.resume_mode=disable",
-        "trainer.logger=[console,file]",
-        "trainer.project_name=forkrl-e2e",
-        f"trainer.experiment_name={out.name}",
-    ]
-
-
-def main_ppo(
-    inputs: dict,
-    out: Path,
-    config: str | None,
-    *extra: str,
-    rollout: str = "hf",
-    timeout: float = 600,
-    extra_env: dict | None = None,
-    **run,
-) -> str:
-    """veRL's own entry point in a fresh process, launched as a user launches a CPU smoke run
-    (``python -m forkrl.plugins.verl.cpu_run``): ``config`` names forkrl's YAML, None runs stock
-    veRL; ``rollout``: ``vllm`` (veRL's vLLM server on vLLM's CPU build) or ``hf`` (the stand-in);
-    ``run``: :func:`_overrides`' sizes, ``extra_env``: more environment variables."""
-    cmd = [sys.executable, "-m", "forkrl.plugins.verl.cpu_run", "--config-name", config or "ppo_trainer"]
-    cmd += ["--rollout", rollout]
-    cmd += [*_overrides(inputs, out, **run), *extra]
-    env = clean_env(
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-        # after forkrl's CPU module (cpu_run puts it first): the rollout stand-in records its samples
-        VERL_USE_EXTERNAL_MODULES="tests.e2e.cpu_host.verl_host",
-        VERL_FILE_LOGGER_PATH=str(out / "metrics.jsonl"),
-        RAY_DEDUP_LOGS="0",
-        **(extra_env or {}),
-    )
-    returncode, log, seconds = run_launcher(cmd, env=env, cwd=out, timeout=timeout)
-    (out / "log.txt").write_text(log)
-    assert returncode == 0, f"main_ppo failed (log: {out / 'log.txt'}):\n{log[-6000:]}"
-    print(f"main_ppo {config or 'stock'}: {seconds:.1f} s")
-    return log
-
-
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def saved_actor(out: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
-    """The actor's parameters in veRL's step-``step`` checkpoint (its own FSDP format, one rank)."""
-    saved = torch.load(
-        out / "ckpt" / f"global_step_{step}" / "actor" / "model_world_size_1_rank_0.pt", weights_only=False
-    )
-    return {k: (v.to_local() if hasattr(v, "to_local") else v).float() for k, v in saved.items()}
 
 
 def changed_parameters(inputs: dict, out: Path) -> float:
@@ -189,7 +59,7 @@ def check_run(inputs: dict, out: Path, log: str, tree: bool) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def tree_run(inputs, tmp_path_factory) -> tuple[Path, str]:
-    """On the Hugging Face rollout (the stand-in), as its resume pair needs: see tests/e2e/cpu_host."""
+    """On the Hugging Face rollout (the stand-in), as its resume pair needs: see forkrl.core.testing.launcher."""
     out = tmp_path_factory.mktemp("tree")
     return out, main_ppo(inputs, out, "forkrl_tree")
 

@@ -14,7 +14,8 @@ import math
 import pytest
 import torch
 
-from . import harness as h
+from forkrl.core.testing.stock import assert_equals_stock
+from forkrl.plugins.verl import testing as h
 
 TOL = 1e-4
 
@@ -41,19 +42,11 @@ def _pair(model_path, forkrl=None, use_remove_padding=True, max_token_len=None, 
     return stock, tree
 
 
-def _relative(a: dict, b: dict, init: dict) -> float:
-    change = max((b[n] - init[n]).abs().max().item() for n in b)
-    assert change > 0, "the stock run did not change the parameters"
-    return max((a[n] - b[n]).abs().max().item() for n in b) / change
-
-
 def _train_both(stock, tree, steps=2, entropy=True, kl=False, is_weights=False, rollouts=None, mini_batch=8):
     rollouts = rollouts or h.rows()
     init = h.parameters(stock)
-    logs = []
-    for step in range(steps):
-        td = h.batch(rollouts, seed=step, kl=kl, is_weights=is_weights)
-        logs.append((h.update(stock, td, mini_batch, entropy), h.update(tree, td, mini_batch, entropy)))
+    run = dict(steps=steps, mini_batch=mini_batch, entropy=entropy, kl=kl, is_weights=is_weights)
+    logs = list(zip(h.train(stock, rollouts, **run), h.train(tree, rollouts, **run), strict=True))
     return init, logs
 
 
@@ -94,8 +87,7 @@ def test_tree_engine_equals_stock(name, model_path):
     init, logs = _train_both(
         stock, tree, entropy=actor.get("entropy_coeff", 0.0) != 0.0 or name == "vanilla-token-mean", kl=kl
     )
-    rel = _relative(h.parameters(tree), h.parameters(stock), init)
-    assert rel < TOL, f"forkrl's engine differs from veRL's by {rel:.2e} of the update"
+    assert_equals_stock(h.parameters(stock), h.parameters(tree), init, TOL, what="forkrl's engine")
     for ms, mt in logs:
         assert math.isclose(ms["loss"][0], mt["loss"][0], rel_tol=1e-4, abs_tol=1e-6), (
             ms["loss"],
@@ -111,7 +103,7 @@ def test_gradient_checkpointing_makes_auto_replay(model_path):
     stock = h.worker(model_path, h.actor_config(None), gradient_checkpointing=True)
     tree = h.worker(model_path, h.actor_config({"tree_packing": True}), gradient_checkpointing=True)
     init, logs = _train_both(stock, tree)
-    assert _relative(h.parameters(tree), h.parameters(stock), init) < TOL
+    assert_equals_stock(h.parameters(stock), h.parameters(tree), init, TOL)
     assert all(mt["tree/mode"][0] == 1 for _, mt in logs)
 
 
@@ -176,7 +168,7 @@ def test_multi_turn_tool_trajectories_equal_stock(model_path):
         ms, mt = h.update(stock, td, 8, True), h.update(tree, td, 8, True)
         assert math.isclose(ms["loss"][0], mt["loss"][0], rel_tol=1e-4, abs_tol=1e-6)
         assert mt["tree/compression"][0] > 1.0
-    assert _relative(h.parameters(tree), h.parameters(stock), init) < TOL
+    assert_equals_stock(h.parameters(stock), h.parameters(tree), init, TOL)
 
 
 def test_text_rows_of_the_v1_agent_loop_train_and_score(model_path):
@@ -192,7 +184,7 @@ def test_text_rows_of_the_v1_agent_loop_train_and_score(model_path):
         lp_t, _, _ = h.log_probs(tree, td)
         torch.testing.assert_close(lp_t, lp_s, rtol=1e-5, atol=2e-6)
         h.update(stock, td, 8, True), h.update(tree, td, 8, True)
-    assert _relative(h.parameters(tree), h.parameters(stock), init) < TOL
+    assert_equals_stock(h.parameters(stock), h.parameters(tree), init, TOL)
     td = h.agent_loop_fields(h.batch(rollouts), rollouts)
     from verl.utils import tensordict_utils as tu
 
@@ -206,13 +198,13 @@ def test_text_rows_of_the_v1_agent_loop_train_and_score(model_path):
 def test_rollout_importance_weights(model_path):
     stock, tree = _pair(model_path)
     init, _ = _train_both(stock, tree, is_weights=True)
-    assert _relative(h.parameters(tree), h.parameters(stock), init) < TOL
+    assert_equals_stock(h.parameters(stock), h.parameters(tree), init, TOL)
 
 
 def test_without_remove_padding(model_path):
     stock, tree = _pair(model_path, use_remove_padding=False)
     init, _ = _train_both(stock, tree)
-    assert _relative(h.parameters(tree), h.parameters(stock), init) < TOL
+    assert_equals_stock(h.parameters(stock), h.parameters(tree), init, TOL)
 
 
 def test_dynamic_batch_size(model_path):
@@ -220,7 +212,7 @@ def test_dynamic_batch_size(model_path):
     outputs back); forkrl keeps that partition and that order."""
     stock, tree = _pair(model_path, max_token_len=48, use_dynamic_bsz=True)
     init, _ = _train_both(stock, tree)
-    assert _relative(h.parameters(tree), h.parameters(stock), init) < TOL
+    assert_equals_stock(h.parameters(stock), h.parameters(tree), init, TOL)
     td = h.batch(h.rows(seed=3))
     lp_s, ent_s, _ = h.log_probs(stock, td)
     lp_t, ent_t, _ = h.log_probs(tree, td)
@@ -243,7 +235,7 @@ def test_old_log_probs_and_entropies_equal_stock(tree_mode, model_path):
 def test_long_context_replay_trains_like_stock(model_path):
     stock, tree = _pair(model_path, forkrl={"long_context_replay": True, "tree_block_size": 4})
     init, _ = _train_both(stock, tree)
-    assert _relative(h.parameters(tree), h.parameters(stock), init) < TOL
+    assert_equals_stock(h.parameters(stock), h.parameters(tree), init, TOL)
 
 
 def test_tree_off_is_stock(model_path):
@@ -303,6 +295,5 @@ def test_multi_head_latent_attention_models_equal_stock(name, tmp_path):
     path = save_pretrained(byte_model(name), byte_tokenizer(), tmp_path / name)
     stock, tree = _pair(path)
     init, logs = _train_both(stock, tree)
-    rel = _relative(h.parameters(tree), h.parameters(stock), init)
-    assert rel < TOL, f"forkrl's engine differs from veRL's by {rel:.2e} of the update on {name}"
+    assert_equals_stock(h.parameters(stock), h.parameters(tree), init, TOL, what=f"forkrl's engine on {name}")
     assert all(mt["tree/compression"][0] > 1.0 for _, mt in logs)

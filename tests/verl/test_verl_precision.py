@@ -11,7 +11,7 @@ parameters, whose rounding dominates, within half a gap of stock (the update).
 Measured (keep and replay): mixed precision 0.95-0.97 of the gap from float32 and 1.02-1.03 gaps from
 stock on the update, 0.82-1.02 and 0.62-0.84 on the log-probs; bf16 parameters 0.31 gaps from stock
 on the update. The test platform's log-softmax and entropy take float32 from bf16 logits, as veRL's
-GPU kernels do (``tests/verl/cpu_platform.py``); on the CPU veRL would compute them in bf16.
+GPU kernels do (``forkrl.plugins.verl.testing``); on the CPU veRL would compute them in bf16.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import pytest
 import torch
 
 from forkrl.core.testing import Bf16Rounding
-
-from . import harness as h
+from forkrl.plugins.verl import testing as h
 
 
 @pytest.fixture(scope="module")

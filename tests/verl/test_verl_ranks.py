@@ -18,8 +18,9 @@ def _two_rank_updates(path: str, balances: list[str], shape: str) -> dict[str, d
     import torch.distributed as dist
 
     import forkrl.plugins.verl.engine as engine
-    from tests.verl import harness as h  # starts the gloo group from run_on_ranks' variables
+    from forkrl.plugins.verl import testing as h
 
+    h.start()  # veRL on the CPU, in run_on_ranks' gloo group
     rows_after = []
     balance_mini_batch = engine.balance_mini_batch
 
@@ -126,8 +127,9 @@ def _video_refusal(model_path: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from tests.verl import harness as h  # starts the gloo group from run_on_ranks' variables
+    from forkrl.plugins.verl import testing as h
 
+    h.start()  # veRL on the CPU, in run_on_ranks' gloo group
     rank = dist.get_rank()
     tree = h.worker(model_path, h.actor_config({"tree_packing": True}, ppo_mini_batch_size=16))
     rollouts = h.rows(seed=rank)

@@ -19,9 +19,10 @@ def _ulysses_rank(path: str) -> dict:
     import torch
 
     from forkrl.core.testing import Bf16Rounding
-    from tests.verl import harness as h  # starts the gloo group from run_on_ranks' variables
+    from forkrl.plugins.verl import testing as h
     from tests.verl import ulysses_cpu
 
+    h.start()  # veRL on the CPU, in run_on_ranks' gloo group
     ulysses_cpu.install()
     rollouts = h.rows(seed=0)  # every rank the same rows: one Ulysses group (dp size 1)
 
@@ -117,9 +118,10 @@ def _two_groups_rank(path: str) -> dict[str, float]:
     update against stock's, token-mean and per-micro-batch normalised, and stock's change."""
     import torch.distributed as dist
 
-    from tests.verl import harness as h  # starts the gloo group from run_on_ranks' variables
+    from forkrl.plugins.verl import testing as h
     from tests.verl import ulysses_cpu
 
+    h.start()  # veRL on the CPU, in run_on_ranks' gloo group
     ulysses_cpu.install()
     dp = dist.get_rank() // 2
     rollouts = h.rows(seed=dp)

@@ -21,9 +21,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from forkrl.core.testing.stock import assert_equals_stock, relative_difference
 from forkrl.core.testing.vision import qwen_vl_model, qwen_vl_processor
-
-from . import harness as h
+from forkrl.plugins.verl import testing as h
 
 TOL = 1e-4  # of the update, as tests/verl/test_verl_engine.py
 
@@ -191,10 +191,8 @@ def test_vlm_log_probs_and_update_equal_stock(setup):
         td = _batch(processor, seed=step)
         logs.append((h.update(stock, td, 8, True), h.update(tree, td, 8, True)))
     a, b = h.parameters(tree), h.parameters(stock)
-    change = max((b[n] - init[n]).abs().max().item() for n in b)
-    rel = max((a[n] - b[n]).abs().max().item() for n in b) / change
-    print(f"parameters: {rel:.2e} of the update")
-    assert rel < TOL, f"forkrl's engine differs from veRL's by {rel:.2e} of the update"
+    print(f"parameters: {relative_difference(b, a, init):.2e} of the update")
+    assert_equals_stock(b, a, init, TOL, what="forkrl's engine")
     visual = [n for n in b if "visual" in n]
     assert visual and all(not torch.equal(b[n], init[n]) for n in visual if n.endswith("weight")), (
         "the vision tower did not train"

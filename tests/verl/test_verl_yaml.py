@@ -14,8 +14,7 @@ from omegaconf import open_dict
 
 from forkrl.core import TreeOptions  # noqa: E402
 from forkrl.plugins.verl import CONFIG_DIR  # noqa: E402
-
-from . import harness  # veRL set up on the CPU
+from forkrl.plugins.verl import testing as harness  # started by conftest.py
 
 OVERRIDES = [
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
@@ -237,7 +236,8 @@ def test_the_plugin_announces_itself_once_per_process_at_verls_log_level():
     config turns the tree on. No other logger changes level."""
     code = (
         "import logging\n"
-        "from tests.verl import harness as h\n"
+        "from forkrl.plugins.verl import testing as h\n"
+        "h.start()\n"
         "root, verl_level = logging.getLogger().level, logging.getLogger('verl').level\n"
         "h.actor_config(None)\n"
         "print('STOCK-BUILT', flush=True)\n"

@@ -1,57 +1,86 @@
-"""Real veRL on the CPU: the stock FSDP2 engine and forkrl's, built by veRL's own TrainingWorker.
+"""Real veRL in this process on the CPU, for tests and benchmarks: the stock FSDP2 engine and
+forkrl's, built by veRL's own TrainingWorker, without Ray.
 
-``VERL_ENGINE_DEVICE=cuda`` (veRL registers its FSDP engines for cuda/npu only) and the test-only
-CPU platform are set before veRL is imported; gloo is initialised for one rank unless torchrun
-already did. Batches are built as veRL's ray trainer hands them to ``update_actor``: padded
-[left-padded prompt | right-padded response] tensors turned into veRL's no-padding layout by its own
-``left_right_2_no_padding``.
+:func:`start` (idempotent; :func:`worker` calls it at first use) prepares the process: veRL's engine
+device (``VERL_ENGINE_DEVICE=cuda``: veRL registers its FSDP engines for cuda/npu only), the CPU
+platform, a gloo group (:func:`forkrl.core.testing.group.start_gloo`) and forkrl's engine registered.
+The platform is the product's (:class:`forkrl.plugins.verl.cpu_platform.CPUPlatform`, the one CPU
+smoke runs use), with two adjustments for tests: the Ulysses device mesh's device name, which veRL
+reads at import; and veRL's log-softmax and entropy take float32 from bf16 logits, as its GPU
+kernels do (:func:`_float32_softmax`; a no-op in float32), so that the precision tests compare what
+a GPU run computes.
+
+Batches are built as veRL's ray trainer hands them to ``update_actor``: padded [left-padded prompt |
+right-padded response] tensors turned into veRL's no-padding layout by its own
+``left_right_2_no_padding``. Equals stock: :func:`train` either side, :func:`parameters`, and the
+comparison of :mod:`forkrl.core.testing.stock`.
 """
 
 from __future__ import annotations
 
 import os
+from functools import partial
+from typing import TYPE_CHECKING
 
-os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
+import torch
+from tensordict import TensorDict
 
-from . import cpu_platform  # noqa: E402
+from forkrl.core.testing.group import start_gloo
+from forkrl.core.testing.models import byte_llama, byte_tokenizer, grpo_rollouts, left_padded, save_pretrained
 
-cpu_platform.install()
+if TYPE_CHECKING:
+    from .config import ForkrlFSDPActorConfig
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+__all__ = [
+    "PRECISIONS", "VLLM_SHAPE", "actor_config", "agent_loop_fields", "batch", "log_probs", "parameters",
+    "rows", "save_model", "start", "train", "update", "worker",
+]  # fmt: skip
 
-if not dist.is_initialized():
-    for key, value in dict(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
-        os.environ.setdefault(key, value)
-    if "MASTER_PORT" not in os.environ:
-        import socket
+_started = False
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    dist.init_process_group("gloo")
 
-from functools import partial  # noqa: E402
+def start() -> None:
+    """Prepare this process for :func:`worker` (idempotent): see the module's docstring."""
+    global _started
+    if _started:
+        return
+    os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
+    _install_platform()
+    start_gloo()
+    from . import register
 
-from tensordict import TensorDict  # noqa: E402
-from verl.trainer.config import CheckpointConfig  # noqa: E402
-from verl.utils import tensordict_utils as tu  # noqa: E402
-from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig, TrainingWorkerConfig  # noqa: E402
-from verl.workers.engine_workers import TrainingWorker  # noqa: E402
-from verl.workers.utils.losses import ppo_loss  # noqa: E402
-from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
+    register()
+    _started = True
 
-import forkrl.plugins.verl as fverl  # noqa: E402
-from forkrl.core.testing.models import (  # noqa: E402
-    byte_llama,
-    byte_tokenizer,
-    grpo_rollouts,
-    left_padded,
-    save_pretrained,
-)
-from forkrl.plugins.verl.config import ForkrlFSDPActorConfig  # noqa: E402
 
-fverl.register()
+def _float32_softmax(fn):
+    """``fn`` on half-precision logits upcast to float32 first: on a GPU veRL's log-probs come from
+    flash-attn's cross-entropy kernel, and its entropy from softmax/logsumexp under CUDA autocast,
+    both float32 computations from bf16 logits; CPU autocast keeps those ops in bf16."""
+
+    def upcast(logits, *args, **kwargs):
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        return fn(logits, *args, **kwargs)
+
+    return upcast
+
+
+def _install_platform() -> None:
+    import verl.utils.torch_functional as verl_F
+    from verl.plugin.platform.platform_manager import set_platform
+
+    from .cpu_platform import CPUPlatform
+
+    set_platform(CPUPlatform())
+    from verl.workers.engine.fsdp import transformer_impl
+
+    transformer_impl.device_name = "cpu"  # read at import, before this platform: Ulysses' device mesh
+    # Before any engine exists (the engine binds entropy_from_logits in __init__).
+    if not getattr(transformer_impl.logprobs_from_logits, "forkrl_float32", False):
+        transformer_impl.logprobs_from_logits = _float32_softmax(transformer_impl.logprobs_from_logits)
+        verl_F.entropy_from_logits = _float32_softmax(verl_F.entropy_from_logits)
+        transformer_impl.logprobs_from_logits.forkrl_float32 = True
 
 
 #: A byte Llama that vLLM's CPU build serves (head dimension 32) and forkrl's int4 drafter tiles
@@ -76,6 +105,11 @@ PRECISIONS = {
 def actor_config(forkrl: dict | None, precision: str = "fp32", **kw) -> ForkrlFSDPActorConfig:
     """veRL's actor config (forkrl's subclass; ``forkrl=None`` keeps veRL's own engine); ``precision``
     is a key of :data:`PRECISIONS`."""
+    start()
+    from verl.workers.config import FSDPEngineConfig
+
+    from .config import ForkrlFSDPActorConfig
+
     fields = dict(
         rollout_n=1, strategy="fsdp2", ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=False,
         use_torch_compile=False, fsdp_config=FSDPEngineConfig(use_torch_compile=False, **PRECISIONS[precision]),
@@ -99,6 +133,12 @@ def worker(
     ``gradient_checkpointing`` is veRL's ``model.enable_gradient_checkpointing`` (on in veRL's own
     config; off here, so that ``tree_mode: auto`` trains in keep mode unless a test asks);
     ``model_kw``: further ``HFModelConfig`` fields (``lora_rank``, ...)."""
+    start()
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPOptimizerConfig, HFModelConfig, TrainingWorkerConfig
+    from verl.workers.engine_workers import TrainingWorker
+    from verl.workers.utils.losses import ppo_loss
+
     model = HFModelConfig(
         path=path,
         override_config={"attn_implementation": "sdpa"},
@@ -135,6 +175,7 @@ def agent_loop_fields(td: TensorDict, rollouts) -> TensorDict:
     from types import SimpleNamespace
 
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+    from verl.utils import tensordict_utils as tu
 
     worker = SimpleNamespace(processor=None)
     rows = [
@@ -161,6 +202,8 @@ def batch(
     ``response_masks``: per row, its agent loop's ``response_mask`` (``[len(r)]``, 0 over tool and
     user tokens), applied as veRL's ``_agent_loop_postprocess`` applies it (the attention mask keeps
     those tokens; the response mask, and so the loss, drops them); default: every response token."""
+    from verl.workers.utils.padding import left_right_2_no_padding
+
     g = torch.Generator().manual_seed(1000 + seed)
     B = len(rollouts)
     P = max(len(p) for p, _ in rollouts)
@@ -194,6 +237,8 @@ def batch(
 def update(w, td: TensorDict, mini_batch: int, entropy: bool, temperature: float = 1.0):
     """One ``update_actor`` call (as veRL's trainer makes it); returns the metrics (None on a rank
     veRL does not collect from: a Ulysses group's ranks after its first)."""
+    from verl.utils import tensordict_utils as tu
+
     td = td.clone()
     tu.assign_non_tensor(
         td, calculate_entropy=entropy, global_batch_size=mini_batch, mini_batch_size=mini_batch, epochs=1, seed=42,
@@ -206,6 +251,7 @@ def update(w, td: TensorDict, mini_batch: int, entropy: bool, temperature: float
 def log_probs(w, td: TensorDict, entropy: bool = True, temperature: float = 1.0):
     """``compute_log_prob`` as veRL's trainer makes it: response log-probs (and entropies), padded
     (Nones on a rank veRL does not collect from)."""
+    from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import no_padding_2_padding
 
     td = td.clone()
@@ -219,7 +265,15 @@ def log_probs(w, td: TensorDict, entropy: bool = True, temperature: float = 1.0)
 
 
 def parameters(w) -> dict[str, torch.Tensor]:
+    """Worker ``w``'s parameters, whole (FSDP2's shards gathered)."""
     return {
         n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
         for n, p in w.engine.module.named_parameters()
     }
+
+
+def train(w, rollouts, steps: int = 2, mini_batch: int = 8, entropy: bool = True, **batch_kw) -> list:
+    """Equals stock's entry point: ``steps`` ``update_actor`` calls of worker ``w`` (stock veRL's or
+    forkrl's: its :func:`actor_config`) on :func:`batch` ``(rollouts, seed=step, **batch_kw)``;
+    returns each call's metrics. The final parameters: :func:`parameters`."""
+    return [update(w, batch(rollouts, seed=step, **batch_kw), mini_batch, entropy) for step in range(steps)]

@@ -1,0 +1,8 @@
+"""veRL on the CPU in this process (its platform, engine device, a one-rank gloo group, forkrl's
+engine registered) before any test module imports veRL: :func:`forkrl.plugins.verl.testing.start`."""
+
+
+def pytest_configure(config) -> None:
+    from forkrl.plugins.verl import testing
+
+    testing.start()
