@@ -38,7 +38,10 @@ def rank_main(args) -> None:
 
     from forkrl.core.testing.models import llama
     from forkrl.core.testing.ranks import finish, report
-    from tests.openrlhf import harness as h  # starts the gloo group torchrun described
+    from forkrl.core.testing.stock import relative_difference
+    from forkrl.plugins.openrlhf import testing as h
+
+    h.start()  # the gloo group torchrun described
 
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -62,7 +65,7 @@ def rank_main(args) -> None:
         argv[argv.index("--rollout.micro_batch_size") + 1] = str(args.G)
         torch.manual_seed(0)
         model = llama(args.model, max_pos=max(4096, args.P_long + args.R))
-        return h.trainer(h.parse_args(argv), tree=True, model=model, lr=1.0)
+        return h.trainer(h.parse_args(argv), forkrl=True, model=model, lr=1.0)
 
     trainers = {s: build(s) for s in SETTINGS}
     init = h.parameters(trainers["off"])
@@ -84,9 +87,7 @@ def rank_main(args) -> None:
                 times[s].append(float(wall))
             moved[s] = status.get("tree/balance_moved_rows")
     params = {s: h.parameters(trainers[s]) for s in SETTINGS}
-    base = params["off"]
-    change = max((base[n] - init[n]).abs().max().item() for n in base)
-    agreement = max((params["auto"][n] - base[n]).abs().max().item() for n in base) / change
+    agreement = relative_difference(params["off"], params["auto"], init)
     out = {
         "rank": rank,
         "step_s": {s: statistics.median(times[s]) for s in SETTINGS},

@@ -10,7 +10,8 @@ the update above float32 rounding) and alternated step by step, so that machine-
 alike. The old-log-prob pass (``PolicyModelActor.forward``: OpenRLHF's ``Actor`` under no_grad, one
 call per rollout micro-batch of G rows, vs forkrl's tree scorer) is timed the same way. Reported:
 median seconds after one warm-up, and how far forkrl's parameters are from stock's after the run
-(relative to stock's change). OpenRLHF assumes CUDA: the tests' CPU context is used (tests/openrlhf).
+(relative to stock's change). OpenRLHF assumes CUDA: forkrl's test support points it at the CPU
+(:func:`forkrl.plugins.openrlhf.testing.cpu`).
 
     .venv-openrlhf/bin/python -m benchmarks.openrlhf_step                # small model, P=2048, G=8, R=256
     .venv-openrlhf/bin/python -m benchmarks.openrlhf_step --model tiny --P 256 --R 32 --steps 1
@@ -29,8 +30,9 @@ import torch
 
 from benchmarks.common import machine, print_table
 from forkrl.core.testing.models import SIZES, llama
+from forkrl.core.testing.stock import relative_difference
+from forkrl.plugins.openrlhf import testing as h
 from forkrl.plugins.openrlhf.trainer import score_log_probs, tree_module
-from tests.openrlhf import harness as h
 
 MODEL_CHOICES = [s for s in SIZES if s != "micro"]
 LR = 20.0
@@ -71,10 +73,10 @@ def run(args) -> tuple[dict, dict, float]:
     ppo_args = h.parse_args(argv)
     trainers = {
         "stock": h.trainer(
-            ppo_args, tree=False, lr=LR, model=llama(args.model, max_pos=max(4096, args.P + args.R))
+            ppo_args, forkrl=False, lr=LR, model=llama(args.model, max_pos=max(4096, args.P + args.R))
         ),
         "tree": h.trainer(
-            ppo_args, tree=True, lr=LR, model=llama(args.model, max_pos=max(4096, args.P + args.R))
+            ppo_args, forkrl=True, lr=LR, model=llama(args.model, max_pos=max(4096, args.P + args.R))
         ),
     }
     init = h.parameters(trainers["stock"])
@@ -112,8 +114,7 @@ def run(args) -> tuple[dict, dict, float]:
             if m == "tree":
                 compression = status["tree/compression"]
     stock, tree = h.parameters(trainers["stock"]), h.parameters(trainers["tree"])
-    change = max((stock[n] - init[n]).abs().max().item() for n in stock)
-    agreement = max((tree[n] - stock[n]).abs().max().item() for n in stock) / change
+    agreement = relative_difference(stock, tree, init)
     return times, {"compression": compression}, agreement
 
 
@@ -173,6 +174,7 @@ def report(args, times, extra, agreement) -> None:
 
 def main() -> None:
     args = parse_args()
+    h.start()
     times, extra, agreement = run(args)
     report(args, times, extra, agreement)
 

@@ -38,7 +38,9 @@ def rank_main(args) -> None:
     from benchmarks.sharded_comm import KINDS, counter
     from forkrl.core.testing.models import llama
     from forkrl.core.testing.ranks import finish, report
-    from tests.openrlhf import harness as h  # starts the gloo group torchrun described
+    from forkrl.plugins.openrlhf import testing as h
+
+    h.start()  # the gloo group torchrun described
 
     rank = dist.get_rank()
     rows = 2 * args.micro_batches
@@ -59,7 +61,7 @@ def rank_main(args) -> None:
         torch.manual_seed(0)
         model = llama(args.model, max_pos=max(4096, args.P + args.R))
         result["model_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
-        t = h.trainer(ppo_args, tree=name == "tree", model=model)
+        t = h.trainer(ppo_args, forkrl=name == "tree", model=model)
         h.fill(t, [h.experience(group, seed=rank, kl=False)])
         torch.manual_seed(1)
         dist.barrier()

@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 
 from forkrl.plugins.openrlhf import cpu_run
-
-from . import harness as h
+from forkrl.plugins.openrlhf import testing as h
 
 
 @pytest.fixture

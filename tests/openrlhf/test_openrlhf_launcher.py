@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 
 from forkrl.core.options import option_docs
+from forkrl.plugins.openrlhf import testing as h
 from forkrl.plugins.openrlhf.options import FLAG_OVERRIDES, FLAGS, ForkrlOptions, parse_flags
-
-from . import harness as h
 
 ROOT = Path(__file__).resolve().parents[2]
 

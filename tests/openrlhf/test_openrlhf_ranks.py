@@ -20,7 +20,7 @@ def _two_rank_run(stage: str, balance: str, skewed: bool) -> dict:
     import torch.distributed as dist
 
     import forkrl.plugins.openrlhf.trainer as trainer_module
-    from tests.openrlhf import harness as h
+    from forkrl.plugins.openrlhf import testing as h
 
     rows_after = []  # this rank's rows in each balanced window
     balance_window = trainer_module.balance_window
@@ -53,8 +53,8 @@ def _two_rank_run(stage: str, balance: str, skewed: bool) -> dict:
     argv[argv.index("--ds.zero_stage") + 1] = stage
     argv[argv.index("--actor.num_gpus_per_node") + 1] = "2"  # the two ranks
     args = h.parse_args(argv)
-    stock, s_status = h.train_rounds(args, tree=False, rounds=rounds, kl_ctl=0.0)
-    tree, t_status = h.train_rounds(args, tree=True, rounds=rounds, kl_ctl=0.0)
+    stock, s_status = h.train(args, rounds=rounds, forkrl=False, kl_ctl=0.0)
+    tree, t_status = h.train(args, rounds=rounds, forkrl=True, kl_ctl=0.0)
     change, rel = h.agreement(stock, tree)
     return {
         "rel": rel,

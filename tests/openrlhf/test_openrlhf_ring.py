@@ -26,8 +26,8 @@ def _ring_rank() -> dict[str, tuple[float, float]]:
     from forkrl.core.testing import Bf16Rounding
     from forkrl.core.testing.models import max_rel_err
     from forkrl.plugins.openrlhf import actors
+    from forkrl.plugins.openrlhf import testing as h
     from forkrl.plugins.openrlhf import trainer as tree_trainer
-    from tests.openrlhf import harness as h
     from tests.openrlhf import ring_cpu
 
     ring_cpu.install()
@@ -40,7 +40,7 @@ def _ring_rank() -> dict[str, tuple[float, float]]:
         return h.parse_args(argv + (["--ds.ring_attn_size", "2", "--ds.packing_samples"] if ring else []))
 
     def run(a, tree=False, flash=True, bf16=False):
-        t = h.trainer(a, tree=tree, bf16=bf16)
+        t = h.trainer(a, forkrl=tree, bf16=bf16)
         if not tree and a.ds.ring_attn_size > 1:
             ring_cpu.use_ring(t, flash=flash)
         statuses = []

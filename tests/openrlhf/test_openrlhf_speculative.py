@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from forkrl.plugins.openrlhf import testing as h
 from forkrl.plugins.openrlhf import train_ppo_ray
 from forkrl.plugins.openrlhf.options import parse_flags
 from forkrl.plugins.openrlhf.rollout import SpeculativeRolloutActor
-
-from . import harness as h
 
 SPEC = (
     "--forkrl.speculative_rollout",

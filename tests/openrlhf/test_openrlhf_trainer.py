@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from forkrl.core.testing.models import byte_llama, byte_moe, max_rel_err
-
-from . import harness as h
+from forkrl.plugins.openrlhf import testing as h
 
 # (name, extra OpenRLHF flags, per-token advantages)
 CONFIGS = [
@@ -55,8 +54,8 @@ def test_tree_trainer_matches_stock(name, extra, per_token):
     args = h.parse_args(argv)
     rounds = _rounds(per_token)
     kl_ctl = 0.05 if "--algo.kl.use_loss" in extra else 0.0
-    stock, s_status = h.train_rounds(args, tree=False, rounds=rounds, kl_ctl=kl_ctl)
-    tree, t_status = h.train_rounds(args, tree=True, rounds=rounds, kl_ctl=kl_ctl)
+    stock, s_status = h.train(args, rounds=rounds, forkrl=False, kl_ctl=kl_ctl)
+    tree, t_status = h.train(args, rounds=rounds, forkrl=True, kl_ctl=kl_ctl)
 
     change, rel = h.agreement(stock, tree)
     assert change > 1e-2, "the update is too small to compare"
@@ -84,14 +83,14 @@ def test_tree_trainer_matches_stock(name, extra, per_token):
 
 def test_packing_samples_is_accepted_and_exact():
     """``--ds.packing_samples`` only changes how stock OpenRLHF lays rows out for flash-attention
-    varlen; the tree packs its own way. (The stock actor runs unpacked on the CPU: see harness.)"""
+    varlen; the tree packs its own way. (The stock actor runs unpacked on the CPU: see forkrl.plugins.openrlhf.testing.)"""
     args = h.parse_args(
         h.command("unused", "--actor.entropy_coef", "0.01", "--ds.packing_samples", "--forkrl.tree_packing")
     )
     assert args.ds.packing_samples
     rounds = _rounds(False)
-    stock, _ = h.train_rounds(args, tree=False, rounds=rounds, kl_ctl=0.0)
-    tree, _ = h.train_rounds(args, tree=True, rounds=rounds, kl_ctl=0.0)
+    stock, _ = h.train(args, rounds=rounds, forkrl=False, kl_ctl=0.0)
+    tree, _ = h.train(args, rounds=rounds, forkrl=True, kl_ctl=0.0)
     change, rel = h.agreement(stock, tree)
     assert change > 1e-2 and rel < 1e-5, rel
 
@@ -113,15 +112,15 @@ def test_moe_router_aux_loss_matches_stock(dynamic):
     argv[argv.index("--ds.zero_stage") + 1] = "0" if dynamic else "2"
     args = h.parse_args(argv)
     rounds = _rounds(False)
-    stock, s_status = h.train_rounds(args, tree=False, rounds=rounds, kl_ctl=0.0, model=_moe)
-    tree, t_status = h.train_rounds(args, tree=True, rounds=rounds, kl_ctl=0.0, model=_moe)
+    stock, s_status = h.train(args, rounds=rounds, forkrl=False, kl_ctl=0.0, model=_moe)
+    tree, t_status = h.train(args, rounds=rounds, forkrl=True, kl_ctl=0.0, model=_moe)
     change, rel = h.agreement(stock, tree, model=_moe)
     assert change > 1e-2 and rel < 1e-5, rel
     for a, b in zip(s_status, t_status, strict=True):
         assert abs(a["policy_loss"] - b["policy_loss"]) <= 1e-5 * max(1.0, abs(a["policy_loss"]))
     if not dynamic:  # the comparison can fail: without the router loss the update differs
         args.actor.aux_loss_coef = 0.0
-        plain, _ = h.train_rounds(args, tree=False, rounds=rounds, kl_ctl=0.0, model=_moe)
+        plain, _ = h.train(args, rounds=rounds, forkrl=False, kl_ctl=0.0, model=_moe)
         assert h.agreement(stock, plain, model=_moe)[1] > 1e-3
 
 
@@ -141,8 +140,8 @@ def test_dynamic_batch_matches_stock(stage):
     argv[argv.index("--ds.zero_stage") + 1] = stage
     args = h.parse_args(argv)
     rounds = _rounds(False)
-    stock, s_status = h.train_rounds(args, tree=False, rounds=rounds, kl_ctl=0.0)
-    tree, t_status = h.train_rounds(args, tree=True, rounds=rounds, kl_ctl=0.0)
+    stock, s_status = h.train(args, rounds=rounds, forkrl=False, kl_ctl=0.0)
+    tree, t_status = h.train(args, rounds=rounds, forkrl=True, kl_ctl=0.0)
     change, rel = h.agreement(stock, tree)
     assert change > 1e-2 and rel < 1e-5, rel
     for a, b in zip(s_status, t_status, strict=True):
@@ -154,7 +153,7 @@ def test_scoring_matches_actor_forward():
     from forkrl.plugins.openrlhf.trainer import score_log_probs, tree_module
 
     args = h.parse_args(h.command("unused", "--rollout.temperature", "0.8", "--forkrl.tree_packing"))
-    t = h.trainer(args, tree=True)
+    t = h.trainer(args, forkrl=True)
     e = h.experience(h.rollouts(seed=3), seed=3)
     with torch.no_grad():
         want = t.actor(e.sequences, e.action_mask, e.attention_mask)
@@ -166,7 +165,7 @@ def test_scoring_matches_actor_forward():
 
 def test_training_step_outside_a_window_is_refused_before_any_change():
     args = h.parse_args(h.command("unused", "--forkrl.tree_packing"))
-    t = h.trainer(args, tree=True)
+    t = h.trainer(args, forkrl=True)
     before = h.parameters(t)
     e = h.experience(h.rollouts(seed=4), seed=4)
     with pytest.raises(RuntimeError, match="outside ppo_train's optimizer-step windows"), h.cpu():
@@ -179,7 +178,7 @@ def test_training_step_outside_a_window_is_refused_before_any_change():
 def test_without_forkrl_flags_the_trainer_is_stock():
     args = h.parse_args(h.command("unused"))
     assert args.forkrl.tree_packing is False
-    t = h.trainer(args, tree=True)
+    t = h.trainer(args, forkrl=True)
     assert t.tree_step is None
 
 
@@ -228,7 +227,7 @@ def test_policy_and_reference_actors_tree_score_like_openrlhf(stage):
 
     argv = h.command("unused", "--rollout.temperature", "0.9", "--forkrl.tree_packing")
     argv[argv.index("--ds.zero_stage") + 1] = stage
-    t = h.trainer(h.parse_args(argv), tree=True)
+    t = h.trainer(h.parse_args(argv), forkrl=True)
     module = t.actor.model.module
     assert is_zero3(module) == (stage == "3")
     e = h.experience(h.rollouts(seed=5), seed=5)
@@ -266,7 +265,7 @@ def test_bf16_tree_is_within_bf16_rounding_of_stock(stage):
     rounds = _rounds(False)
 
     def run(tree: bool, bf16: bool) -> dict[str, torch.Tensor]:
-        t = h.trainer(args, tree=tree, bf16=bf16)
+        t = h.trainer(args, forkrl=tree, bf16=bf16)
         for experiences in rounds:
             h.fill(t, experiences)
             torch.manual_seed(123)
@@ -304,7 +303,7 @@ def test_experience_maker_text_samples_are_tree_scored(monkeypatch):
     from forkrl.core import TreeStep
     from forkrl.plugins.openrlhf import actors
 
-    t = h.trainer(h.parse_args(h.command("unused", "--forkrl.tree_packing")), tree=True)
+    t = h.trainer(h.parse_args(h.command("unused", "--forkrl.tree_packing")), forkrl=True)
     samples = []  # as SamplesGenerator builds one Experience per response (samples_generator.py)
     for p, r in h.rollouts(seed=6):
         ids = torch.tensor([p + r])
@@ -376,8 +375,8 @@ def test_lora_policy_matches_stock(saved_model, stage, targets):
     args = h.parse_args(argv)
     model = partial(h.lora_model, saved_model, args)
     rounds = _rounds(False)
-    stock, s_status = h.train_rounds(args, tree=False, rounds=rounds, kl_ctl=0.0, model=model)
-    tree, t_status = h.train_rounds(args, tree=True, rounds=rounds, kl_ctl=0.0, model=model)
+    stock, s_status = h.train(args, rounds=rounds, forkrl=False, kl_ctl=0.0, model=model)
+    tree, t_status = h.train(args, rounds=rounds, forkrl=True, kl_ctl=0.0, model=model)
     module = tree.actor.model.module
     trained = {n for n, p in module.named_parameters() if p.requires_grad}
     assert type(module).__name__ == "PeftModelForCausalLM" and trained and all("lora_" in n for n in trained)

@@ -21,8 +21,7 @@ import torch
 from forkrl.core import UnsupportedModelError
 from forkrl.core.testing.models import max_rel_err
 from forkrl.core.testing.vision import qwen_vl_model, qwen_vl_processor
-
-from . import harness as h
+from forkrl.plugins.openrlhf import testing as h
 
 PROMPT = "user: <|vision_start|><|image_pad|><|vision_end|>Spell color {}. assistant: "
 
@@ -153,7 +152,7 @@ def _rounds(
     from openrlhf.trainer.ray.launcher import ReferenceModelActor
     from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
-    maker = h.trainer(args, tree=False, model=_model(), vlm=True)
+    maker = h.trainer(args, forkrl=False, model=_model(), vlm=True)
     rounds = []
     for r in range(2):
         made = _make_experiences(
@@ -168,7 +167,7 @@ def _rounds(
 
 
 def _train(args, tree: bool, rounds, bf16: bool = False, model=_model):
-    t = h.trainer(args, tree=tree, model=model(), bf16=bf16, vlm=True)
+    t = h.trainer(args, forkrl=tree, model=model(), bf16=bf16, vlm=True)
     statuses = []
     for experiences in rounds:
         h.fill(t, experiences)
@@ -274,7 +273,7 @@ def test_experience_maker_vlm_samples_are_tree_scored(monkeypatch):
     from forkrl.plugins.openrlhf import actors
 
     args = _args()
-    t = h.trainer(args, tree=True, model=_model(), vlm=True)
+    t = h.trainer(args, forkrl=True, model=_model(), vlm=True)
     samples = _samples(seed=3, text_group=True)
     scored = []
     real = TreeStep.score_window
@@ -338,7 +337,7 @@ def test_video_is_refused_before_anything_changes(monkeypatch):
         for mm in e.mm_train_inputs:
             mm["pixel_values_videos"] = torch.zeros(16, 1176)
             mm["video_grid_thw"] = torch.tensor([[1, 4, 4]])
-    t = h.trainer(args, tree=True, model=_model(), vlm=True)
+    t = h.trainer(args, forkrl=True, model=_model(), vlm=True)
     before = {n: p.clone() for n, p in h.parameters(t).items()}
     h.fill(t, rounds[0])
     with pytest.raises(UnsupportedModelError, match=r"video.*drop --forkrl\.tree_packing"), h.cpu():
@@ -364,7 +363,7 @@ def test_video_is_refused_before_anything_changes(monkeypatch):
 )
 def test_vlm_setups_the_tree_cannot_serve_are_refused(extra, match):
     with pytest.raises(ValueError, match=match):
-        h.trainer(_args(*extra), tree=True, model=_model(), vlm=True)
+        h.trainer(_args(*extra), forkrl=True, model=_model(), vlm=True)
 
 
 def test_vlm_ring_attention_and_dynamic_batching_are_refused():
@@ -384,7 +383,7 @@ def test_an_unsupported_vision_language_family_is_refused():
     """A model the tree takes no images for, marked as OpenRLHF marks a VLM: refused at setup, the
     way out named."""
     with pytest.raises(UnsupportedModelError, match="train without --forkrl.tree_packing"):
-        h.trainer(_args(), tree=True, vlm=True)
+        h.trainer(_args(), forkrl=True, vlm=True)
 
 
 def _vlm_rank(stage: str) -> dict:
@@ -416,7 +415,7 @@ def _vlm_rank(stage: str) -> dict:
                     torch.zeros(16, 1176),
                     torch.tensor([[1, 4, 4]]),
                 )
-    t = h.trainer(args, tree=True, model=_model(), vlm=True)
+    t = h.trainer(args, forkrl=True, model=_model(), vlm=True)
     start = h.parameters(t)
     h.fill(t, bad)
     try:

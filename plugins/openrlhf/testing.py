@@ -1,8 +1,9 @@
-"""Real OpenRLHF on the CPU: its ActorPPOTrainer (stock, or forkrl's subclass) around a real
+"""Real OpenRLHF in this process on the CPU, for tests and benchmarks: its ActorPPOTrainer (stock, or forkrl's subclass) around a real
 DeepSpeed ZeRO engine, fed experiences through its own replay buffer and ``ppo_train``.
 
-OpenRLHF assumes CUDA in a few places that have nothing to do with the training math; the test-only
-:func:`cpu` context covers them: ``torch.cuda.current_device()`` answers ``"cpu"`` (``ppo_train``
+:func:`start` (idempotent; :func:`trainer` calls it at first use) starts the gloo group the engine
+trains in (:func:`forkrl.core.testing.group.start_gloo`). OpenRLHF assumes CUDA in a few places that
+have nothing to do with the training math; the :func:`cpu` context covers them: ``torch.cuda.current_device()`` answers ``"cpu"`` (``ppo_train``
 moves experiences there), ``torch.cuda.set_device`` does nothing, the replay buffer's sampling
 device is the CPU, the trainer's barrier
 skips ``torch.cuda.synchronize``, and the strategy's device mesh is a CPU mesh. The arguments come
@@ -10,40 +11,40 @@ from a real OpenRLHF command line parsed by OpenRLHF's own ``__main__`` (forkrl'
 engine is DeepSpeed's, built from OpenRLHF's own DeepSpeed config (``get_ds_train_config``), in
 float32 (OpenRLHF's ``--ds.param_dtype`` allows bf16/fp16 only, whose rounding would hide the
 comparison) with torch's SGD as the optimizer, so the parameter change is the gradient itself.
+Equals stock: :func:`train` either side, :func:`parameters`, :func:`agreement` (the comparison of
+:mod:`forkrl.core.testing.stock`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
+import copy
 from collections.abc import Iterator
 from unittest import mock
 
+import deepspeed
 import torch
 import torch.distributed as dist
+from openrlhf.models import Actor
+from openrlhf.trainer.ppo_utils import NaiveReplayBuffer
+from openrlhf.trainer.ppo_utils.experience import Experience
+from openrlhf.trainer.ray import ppo_actor
+from openrlhf.utils import get_strategy
+from openrlhf.utils.deepspeed import deepspeed as ds_module
 
-if not dist.is_initialized():
-    for key, value in dict(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
-        os.environ.setdefault(key, value)
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    dist.init_process_group("gloo")
+from forkrl.core.testing.group import start_gloo
+from forkrl.core.testing.models import byte_llama, byte_tokenizer, grpo_rollouts, save_pretrained
+from forkrl.core.testing.stock import relative_difference, update_size
 
-import deepspeed  # noqa: E402
-from openrlhf.models import Actor  # noqa: E402
-from openrlhf.trainer.ppo_utils import NaiveReplayBuffer  # noqa: E402
-from openrlhf.trainer.ppo_utils.experience import Experience  # noqa: E402
-from openrlhf.trainer.ray import ppo_actor  # noqa: E402
-from openrlhf.utils import get_strategy  # noqa: E402
-from openrlhf.utils.deepspeed import deepspeed as ds_module  # noqa: E402
+from ..deepspeed import gathered
+from .train_ppo_ray import parse_args
+from .trainer import TreeActorPPOTrainer
 
-from forkrl.core.testing.models import byte_llama, byte_tokenizer, grpo_rollouts, save_pretrained  # noqa: E402
-from forkrl.plugins.deepspeed import gathered  # noqa: E402
-from forkrl.plugins.openrlhf.train_ppo_ray import parse_args  # noqa: E402
-from forkrl.plugins.openrlhf.trainer import TreeActorPPOTrainer  # noqa: E402
+
+def start() -> None:
+    """Start the gloo group :func:`trainer`'s engine trains in, unless one is running (idempotent):
+    a launcher's ranks (torchrun, ``run_on_ranks``), else this process alone."""
+    start_gloo()
 
 
 class _CPUReplayBuffer(NaiveReplayBuffer):
@@ -101,16 +102,17 @@ def command(model_path: str, *extra: str, micro_batch: int = 2, batch: int = 8) 
 
 def trainer(
     args,
-    tree: bool,
+    forkrl: bool,
     lr: float = 0.05,
     model: torch.nn.Module | None = None,
     bf16: bool = False,
     vlm: bool = False,
 ):
-    """Stock ``ActorPPOTrainer`` (``tree=False``) or forkrl's, built as ``PolicyModelActor`` builds
+    """Stock ``ActorPPOTrainer`` (``forkrl=False``) or forkrl's, built as ``PolicyModelActor`` builds
     it, around a DeepSpeed engine of ``model`` (default: the byte Llama, seed 0); float32 unless
     ``bf16`` (DeepSpeed's bf16 mode, OpenRLHF's default ``--ds.param_dtype``). ``vlm``: ``model`` is
     a vision-language model, marked as ``Actor`` marks one it loads by name (``is_vlm``, ``_vlm_config``)."""
+    start()
     strategy = get_strategy(args)
     with cpu():
         strategy.setup_distributed()
@@ -141,8 +143,8 @@ def trainer(
         config=config,
     )
     actor.model = engine
-    cls = TreeActorPPOTrainer if tree else ppo_actor.ActorPPOTrainer
-    if not tree:
+    cls = TreeActorPPOTrainer if forkrl else ppo_actor.ActorPPOTrainer
+    if not forkrl:
         args = _without_forkrl(args)
         strategy.args = args
     with cpu():
@@ -160,8 +162,6 @@ def trainer(
 
 
 def _without_forkrl(args):
-    import copy
-
     args = copy.deepcopy(args)
     if hasattr(args, "forkrl"):
         del args.forkrl
@@ -205,8 +205,6 @@ def fill(t, experiences) -> None:
 
 
 def _copy(e: Experience) -> Experience:
-    import copy
-
     return copy.deepcopy(e)
 
 
@@ -218,10 +216,12 @@ def parameters(t) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
-def train_rounds(args, tree: bool, rounds, kl_ctl: float, model=None):
-    """A trainer (forkrl's with ``tree``, OpenRLHF's without) trained on ``rounds`` (one list of
-    experiences per ``ppo_train``, the DataLoader's shuffle seeded); returns it and each round's status."""
-    t = trainer(args, tree=tree, model=model() if model is not None else None)
+def train(args, rounds, forkrl: bool, kl_ctl: float = 0.0, model=None):
+    """Equals stock's entry point: a :func:`trainer` (forkrl's, or OpenRLHF's without ``forkrl``),
+    from ``model()`` (default the byte Llama, seed 0), trained on ``rounds`` (one list of experiences
+    per ``ppo_train``, the DataLoader's shuffle seeded); returns it and each round's status. The final
+    parameters: :func:`parameters`."""
+    t = trainer(args, forkrl=forkrl, model=model() if model is not None else None)
     statuses = []
     for experiences in rounds:
         fill(t, experiences)
@@ -233,13 +233,12 @@ def train_rounds(args, tree: bool, rounds, kl_ctl: float, model=None):
 
 
 def agreement(stock, tree, model=None) -> tuple[float, float]:
-    """``(|stock's update|, |tree - stock| / |stock's update|)`` over the actor's parameters, from the
-    initial weights ``model()`` (default ``byte_llama(0)``)."""
-    before = dict((model or (lambda: byte_llama(0)))().named_parameters())
+    """``(|stock's update|, |tree - stock| / |stock's update|)`` over trainers ``stock`` and ``tree``'s
+    parameters, from the initial weights ``model()`` (default ``byte_llama(0)``), in the Euclidean
+    norm of all parameters together (:mod:`forkrl.core.testing.stock`, ``norm="l2"``)."""
+    before = {n: p.detach() for n, p in (model or (lambda: byte_llama(0)))().named_parameters()}
     p_stock, p_tree = parameters(stock), parameters(tree)
-    change = torch.cat([(p_stock[n] - before[n].detach()).flatten() for n in before]).norm()
-    diff = torch.cat([(p_tree[n] - p_stock[n]).flatten() for n in before]).norm()
-    return float(change), float(diff / change)
+    return update_size(p_stock, before, "l2"), relative_difference(p_stock, p_tree, before, "l2")
 
 
 def policy_actor(t, cls):
@@ -272,6 +271,7 @@ __all__ = [
     "reference_actor",
     "rollouts",
     "save_model",
-    "train_rounds",
+    "start",
+    "train",
     "trainer",
 ]
