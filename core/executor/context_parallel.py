@@ -112,6 +112,7 @@ class ContextParallelResult:
 
     Attributes:
         logprobs: one detached ``[R_i]`` tensor per response this rank passed.
+        entropies: the same for the entropies of the predicting distributions, or None.
         shard_bytes: bytes of this rank's kept key/value shard (all layers).
         shard_grad_bytes: bytes of its key/value gradient shard (0 with ``prompt_grad="none"``).
         pieces: the ``(start, end)`` prompt spans this rank's shard holds, in shard order (the
@@ -119,6 +120,7 @@ class ContextParallelResult:
     """
 
     logprobs: list[torch.Tensor]
+    entropies: list[torch.Tensor] | None
     shard_bytes: int
     shard_grad_bytes: int
     pieces: list[tuple[int, int]]
@@ -130,6 +132,26 @@ class _Unit:
     start: int  # position of its first token
     length: int
     grad: bool
+
+
+@dataclass
+class _Work:
+    """One pass's responses (this rank's) and their coefficients (None: a scoring pass)."""
+
+    responses: list[torch.Tensor]
+    coefficients: Sequence[torch.Tensor] | None
+    entropy_coefficients: Sequence[torch.Tensor | None] | None  # scoring: Nones where entropies are asked
+    lengths: list[list[int]]  # every rank's response lengths
+
+    @property
+    def grad(self) -> bool:
+        return self.coefficients is not None
+
+    def coefficients_of(self, i: int) -> tuple:
+        """``(logprob coefficients or None, whether entropies are wanted or None, entropy coefficients or None)``."""
+        ent = self.entropy_coefficients
+        lp = self.coefficients[i] if self.coefficients is not None else None
+        return lp, (True if ent is not None else None), (ent[i] if ent is not None else None)
 
 
 @dataclass
@@ -395,9 +417,11 @@ class ContextParallelReplay:
         prompt: torch.Tensor | Sequence[int],
         responses: Sequence[torch.Tensor | Sequence[int]],
         coefficients: Sequence[torch.Tensor],
+        entropy_coefficients: Sequence[torch.Tensor] | None = None,
     ) -> ContextParallelResult:
         """Accumulate into ``param.grad`` the gradient of ``sum_i sum_t coefficients[i][t] * logprob_i[t]``
-        over every rank's responses (each rank: its own), exactly as single-device replay would.
+        (plus the same with entropies) over every rank's responses (each rank: its own), exactly as
+        single-device replay would.
 
         A collective over the group: every rank calls it with the same prompt.
 
@@ -405,6 +429,7 @@ class ContextParallelReplay:
             prompt: ``[P]`` token ids, ``P - 1`` at least the group's size.
             responses: this rank's responses, ``[R_i]`` token ids each (``R_i >= 1``).
             coefficients: ``[R_i]`` per response, the gradient of the objective in its log-probs.
+            entropy_coefficients: ``[R_i]`` per response, in its entropies (None: no entropy term).
 
         Returns:
             :class:`ContextParallelResult` (this rank's log-probs, its shard's bytes).
@@ -413,15 +438,33 @@ class ContextParallelReplay:
             raise RuntimeError(
                 "ContextParallelReplay.backward was called with grad mode off: call it outside torch.no_grad()"
             )
+        for name, coefs in (("coefficient", coefficients), ("entropy coefficient", entropy_coefficients)):
+            if coefs is not None and len(coefs) != len(responses):
+                raise ValueError(f"{len(responses)} responses but {len(coefs)} {name} tensors")
+        return self._run(prompt, responses, coefficients, entropy_coefficients)
+
+    def score(
+        self,
+        prompt: torch.Tensor | Sequence[int],
+        responses: Sequence[torch.Tensor | Sequence[int]],
+        entropy: bool = False,
+    ) -> ContextParallelResult:
+        """This rank's responses' log-probs (and entropies), without grad: the prefill and the
+        responses' forwards, no replay. A collective, as :meth:`backward`."""
+        with torch.no_grad():
+            return self._run(prompt, responses, None, [None] * len(responses) if entropy else None)
+
+    def _run(self, prompt, responses, coefficients, entropy_coefficients) -> ContextParallelResult:
         rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
         prompt = torch.as_tensor(prompt, dtype=torch.long).reshape(-1)
         responses = [torch.as_tensor(r, dtype=torch.long).reshape(-1) for r in responses]
-        if len(coefficients) != len(responses):
-            raise ValueError(f"{len(responses)} responses but {len(coefficients)} coefficient tensors")
-        for i, (r, c) in enumerate(zip(responses, coefficients, strict=True)):
-            if len(r) < 1 or c.shape != r.shape:
+        for i, r in enumerate(responses):
+            shapes = [
+                tuple(c[i].shape) for c in (coefficients, entropy_coefficients) if c and c[i] is not None
+            ]
+            if len(r) < 1 or any(shape != tuple(r.shape) for shape in shapes):
                 raise ValueError(
-                    f"response {i}: {len(r)} tokens (need >= 1) and coefficients of shape {tuple(c.shape)}"
+                    f"response {i}: {len(r)} tokens (need >= 1) and coefficients of shapes {shapes}"
                 )
         cached = len(prompt) - (1 if self.prompt_grad == "exact" else 0)
         if cached < world:
@@ -431,16 +474,19 @@ class ContextParallelReplay:
         lengths: list = [None] * world
         dist.all_gather_object(lengths, [len(r) for r in responses], group=self.group)
         session = self._session(cached, rank, world)
-        pre = self._stash_grads()
+        work = _Work(responses, coefficients, entropy_coefficients, lengths)
+        pre = self._stash_grads() if work.grad else None
         try:
             with self._active(session):
-                logprobs = self._steps(session, prompt, responses, coefficients, lengths)
+                results = self._steps(session, prompt, work)
         finally:
-            self._restore_grads(pre)
+            if pre is not None:
+                self._restore_grads(pre)
         nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
         grad_bytes = nbytes(session.key_grads) + nbytes(session.value_grads) if session.key_grads else 0
         return ContextParallelResult(
-            logprobs=logprobs,
+            logprobs=[lp for lp, _ in results],
+            entropies=[ent for _, ent in results] if entropy_coefficients is not None else None,
             shard_bytes=nbytes(session.keys) + nbytes(session.values),
             shard_grad_bytes=grad_bytes,
             pieces=[rd.pieces[rank] for rd in session.layout]
@@ -448,14 +494,16 @@ class ContextParallelReplay:
         )
 
     # ------------------------------------------------------------------ the steps
-    def _steps(self, s: _Session, prompt, responses, coefficients, lengths) -> list[torch.Tensor]:
+    def _steps(self, s: _Session, prompt: torch.Tensor, work: _Work) -> list:
         self._prompt(s, prompt, grad=False)  # 1. prefill, in position order
         if self.prompt_grad == "none":  # the last prompt row, a constant, predicts each first token
             if s.last_hidden is None:
                 h = self.adapter.config.hidden_size
                 s.last_hidden = torch.empty(h, dtype=self.adapter.head.weight.dtype, device=self.device)
             dist.broadcast(s.last_hidden, s.global_ranks[s.world - 1], group=s.group)
-        out = self._responses(s, prompt, responses, coefficients, lengths)
+        out = self._responses(s, prompt, work)
+        if not work.grad:  # scoring: no replay, no gradient
+            return out
         if self.prompt_grad == "exact":  # 3. reverse replay, the last round or block first
             self._prompt(s, prompt, grad=True)
         if self.reduce_grads:  # 4. every rank: the whole step's gradient
@@ -479,18 +527,18 @@ class ContextParallelReplay:
             for start, end in order(self._blocks(s, owner)):
                 self._unit(s, _Unit(owner, start, end - start, grad=grad), prompt[start:end])
 
-    def _responses(self, s: _Session, prompt, responses, coefficients, lengths) -> list[torch.Tensor]:
+    def _responses(self, s: _Session, prompt: torch.Tensor, work: _Work) -> list:
         """2. Every rank's responses in turn, one at a time; exact: the last prompt token in front."""
         last = s.bounds[-1]
         out = []
         for owner in range(s.world):
-            for i, n in enumerate(lengths[owner]):
-                unit = _Unit(owner, last, n + len(prompt) - last, grad=True)
+            for i, n in enumerate(work.lengths[owner]):
+                unit = _Unit(owner, last, n + len(prompt) - last, grad=work.grad)
                 if owner != s.rank:
                     self._unit(s, unit, None)
                     continue
-                ids = torch.cat([prompt[last:], responses[i].to(prompt.device)])
-                out.extend(self._unit(s, unit, ids, coefficients[i]))
+                ids = torch.cat([prompt[last:], work.responses[i].to(prompt.device)])
+                out.extend(self._unit(s, unit, ids, work.coefficients_of(i)))
         return out
 
     def _sum_grads(self) -> None:
@@ -500,7 +548,7 @@ class ContextParallelReplay:
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad, group=self.group)
 
-    def _unit(self, s: _Session, unit: _Unit, ids: torch.Tensor | None, coef: torch.Tensor | None = None):
+    def _unit(self, s: _Session, unit: _Unit, ids: torch.Tensor | None, coef: tuple | None = None):
         """Run one unit: forward on its owner (and its backward for a grad unit), served elsewhere."""
         s.unit, s.next_layer = unit, 0
         layers = self.adapter.num_layers
@@ -537,11 +585,16 @@ class ContextParallelReplay:
                 rows, targets = hidden[0, :-1], ids[0, 1:]
             else:  # truncated: the prompt's last row (a constant) does; only the head learns from it
                 rows, targets = torch.cat([s.last_hidden[None].to(hidden.dtype), hidden[0, :-1]]), ids[0]
-            logits = self.adapter.logits(rows, self.temperature)
-            wide = torch.float64 if logits.dtype == torch.float64 else torch.float32
-            lp = torch.log_softmax(logits.to(wide), -1).gather(-1, targets[:, None])[:, 0]  # [R]
-            torch.autograd.backward([lp], [coef.to(lp.dtype).to(lp.device)])
-            result.append(lp.detach())
+            with torch.set_grad_enabled(unit.grad):
+                logits = self.adapter.logits(rows, self.temperature)
+                wide = torch.float64 if logits.dtype == torch.float64 else torch.float32
+                logp = torch.log_softmax(logits.to(wide), -1)
+                lp = logp.gather(-1, targets[:, None])[:, 0]  # [R]
+                ent = -(logp.exp() * logp).sum(-1) if coef[1] is not None else None  # [R]
+            if unit.grad:
+                outs = [(t, c) for t, c in ((lp, coef[0]), (ent, coef[2])) if c is not None]
+                torch.autograd.backward([t for t, _ in outs], [c.to(t.dtype).to(t.device) for t, c in outs])
+            result.append((lp.detach(), ent.detach() if ent is not None else None))
         s.unit = None
         return result
 

@@ -1,0 +1,85 @@
+"""A forest's prompts split over a context-parallel group (ContextParallelExecutor), float64, 2 gloo ranks.
+
+Every rank holds the same forest: two prompts (one with a longer scored span than its prompt, one
+whose responses start scoring late), their responses of uneven lengths, and a third tree too short
+to matter. Log-probs, entropies and the gradient of a functional with an entropy term must equal a
+TreeExecutor's single-device long-context replay of the same forest to 1e-10, in both schedules.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from forkrl.core import PrefixForest, TreeExecutor
+from forkrl.core.testing import Float64Mode
+from forkrl.core.testing.models import grads, max_rel_err, tiny_causal_lm
+from forkrl.core.testing.ranks import run_on_ranks
+
+pytestmark = pytest.mark.slow  # gloo ranks
+
+TOL = 1e-10
+
+
+def _forest() -> tuple[PrefixForest, list[torch.Tensor], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    seqs, score_from = [], []
+    for P, G, late in ((19, 4, 0), (12, 3, 2)):
+        prompt = torch.randint(0, 61, (P,), generator=g).tolist()
+        for i in range(G):
+            seqs.append(prompt + torch.randint(0, 61, (2 + (i * 3) % 5,), generator=g).tolist())
+            score_from.append(P + (late if i % 2 else 0))
+    forest = PrefixForest.build(seqs, score_from)
+    sizes = [len(s) - f for s, f in zip(seqs, score_from, strict=True)]
+    coefs = [torch.randn(n, generator=g, dtype=torch.float64) for n in sizes]
+    ent_coefs = [0.1 * torch.randn(n, generator=g, dtype=torch.float64) for n in sizes]
+    return forest, coefs, ent_coefs
+
+
+def _rank(schedule: str) -> dict:
+    from forkrl.core.executor.cp_executor import ContextParallelExecutor
+
+    forest, coefs, ent_coefs = _forest()
+    with Float64Mode():
+        model = tiny_causal_lm("llama-gqa")
+        single = TreeExecutor(model, mode="replay", block_size=4, prompt_grad="exact")
+        want = single.backward(forest, grad_logprobs=coefs, grad_entropies=ent_coefs)
+        reference = grads(model)
+        model.zero_grad(set_to_none=True)
+        cp = ContextParallelExecutor(model, block_size=3, schedule=schedule)
+        scored = cp.score(forest, entropy=True)
+        got = cp.backward(forest, grad_logprobs=coefs, grad_entropies=ent_coefs)
+        err = max_rel_err(grads(model), reference)
+    diff = lambda a, b: max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))  # noqa: E731
+    return {
+        "grad": err,
+        "lp": diff(got.logprobs, want.logprobs),
+        "ent": diff(got.entropies, want.entropies),
+        "score_lp": diff(scored.logprobs, want.logprobs),
+        "score_ent": diff(scored.entropies, want.entropies),
+        "entries": float((got.entry_logprobs - want.entry_logprobs).abs().max()),
+        "world": dist.get_world_size(),
+    }
+
+
+@pytest.mark.parametrize("schedule", ["parallel", "serial"])
+def test_the_forest_over_two_ranks_equals_single_device_replay(schedule):
+    for r in run_on_ranks(_rank, 2, schedule, timeout=180):
+        assert r["world"] == 2
+        assert r["grad"] < TOL, r
+        for key in ("lp", "ent", "score_lp", "score_ent", "entries"):
+            assert r[key] < 1e-12, r
+
+
+def test_token_local_coefficients_routers_and_images_are_refused_with_the_alternative():
+    from forkrl.core.executor.cp_executor import ContextParallelExecutor
+
+    executor = ContextParallelExecutor.__new__(ContextParallelExecutor)
+    with pytest.raises(ValueError, match="grad_logprobs"):
+        ContextParallelExecutor.backward(executor, None, coefficient_fn=lambda *a: a)
+    with pytest.raises(ValueError, match="router loss coefficient to 0"):
+        ContextParallelExecutor._refuse(object(), None)
+    with pytest.raises(ValueError, match="one device"):
+        with executor.images(object()):
+            pass
