@@ -1,8 +1,9 @@
 """Learning curves through veRL's and OpenRLHF's own launchers (``--host verl|openrlhf``).
 
 Each run is a whole GRPO run as the end-to-end tests launch it (``tests/verl/test_verl_e2e.py``,
-``tests/openrlhf/test_openrlhf_e2e.py``: the host's entry point, Ray, its trainer and checkpointing,
-the CPU rollout stand-in of ``tests/e2e/cpu_host/``), longer: ``steps`` steps of ``prompts`` prompts
+``tests/openrlhf/test_openrlhf_e2e.py``, through :mod:`forkrl.plugins.verl.testing_e2e` and
+:mod:`forkrl.plugins.openrlhf.testing_e2e`: the host's entry point, Ray, its trainer and
+checkpointing, the Hugging Face rollout with a recorder), longer: ``steps`` steps of ``prompts`` prompts
 x G samples, each prompt a shared document then a question, the reward the fraction of digits in the
 response (the e2e tests' reward: dense, so a tiny model learns it in about 50 steps). Stock and forkrl
 start from the same weights and seeds; the rollout stand-in samples from the weights and prompt alone,
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from tests.e2e.cpu_host import ROLLOUT_LOG
+from forkrl.core.testing.launcher import ROLLOUT_LOG
 
 #: Shared by every prompt: long enough that the group's prompt dominates its tokens (byte tokens).
 DOCUMENT = (
@@ -78,7 +79,7 @@ def run_verl(args, tmp: Path) -> dict:
     """Stock veRL (``main_ppo`` with its own config) and ``forkrl_tree``; per run its rewards,
     seconds and rollouts per step, and greedy completions of its final actor."""
     from forkrl.core.testing.models import byte_tokenizer
-    from tests.verl.test_verl_e2e import build_inputs, main_ppo, metrics, saved_actor
+    from forkrl.plugins.verl.testing_e2e import build_inputs, main_ppo, metrics, saved_actor
 
     inputs = build_inputs(tmp / "inputs", DOCUMENT, _pairs(args.prompts * args.steps, args.seed))
     sizes = dict(steps=args.steps, group=args.group, prompts=args.prompts, lr=args.lr, max_prompt=512)
@@ -119,8 +120,8 @@ def run_openrlhf(args, tmp: Path) -> dict:
     """Stock OpenRLHF (``openrlhf.cli.train_ppo_ray``) and forkrl's launcher with
     ``--forkrl.tree_packing``, as :func:`run_verl`."""
     from forkrl.core.testing.models import byte_llama, byte_tokenizer, save_pretrained
-    from tests.e2e.cpu_host.openrlhf_patches import WORKER_SEED
-    from tests.openrlhf.test_openrlhf_e2e import _launch, _parameters, _scalars
+    from forkrl.plugins.openrlhf.cpu_patches import SEED as WORKER_SEED
+    from forkrl.plugins.openrlhf.testing_e2e import launch, saved_parameters, scalars
 
     tokenizer = byte_tokenizer()
     model = save_pretrained(byte_llama(0), tokenizer, tmp / "model")
@@ -139,19 +140,19 @@ def run_openrlhf(args, tmp: Path) -> dict:
         out = tmp / _slug(name)
         out.mkdir()
         log = out / "rollouts.jsonl"
-        _launch(
+        launch(
             module, data, out, "--train.seed", str(args.seed), *extra,
             timeout=3600, extra_env={ROLLOUT_LOG: str(log), WORKER_SEED: str(args.seed)}, attn=attn, **sizes,
             rollout="hf",  # samples from the weights and prompts alone: the runs' rollouts compare one by one
         )  # fmt: skip
-        scalars = _scalars(out / "tb")
-        reward = scalars["train/reward"]
+        logged = scalars(out / "tb")
+        reward = logged["train/reward"]
         steps = sorted(reward)
         runs[name] = {
             "rewards": [reward[s] for s in steps],
-            "seconds": list(itertools.accumulate(scalars["train/timing/step_total"][s] for s in steps)),
+            "seconds": list(itertools.accumulate(logged["train/timing/step_total"][s] for s in steps)),
             "rollouts": _rollouts(log),
-            "greedy": _greedy(dict(_parameters(out / "final")), probe, args.max_new),
+            "greedy": _greedy(dict(saved_parameters(out / "final")), probe, args.max_new),
         }
     return runs
 
