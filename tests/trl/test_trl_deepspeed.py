@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from forkrl.core.testing.ranks import run_in_subprocess, run_on_ranks
+from forkrl.core.testing.stock import assert_equals_stock
 
 pytest.importorskip("trl")
 pytest.importorskip("deepspeed")
 
-from .trl_helpers import initial_params, relative_difference, save_tiny_llama, train  # noqa: E402
+from .trl_helpers import initial_params, save_tiny_llama, train  # noqa: E402
 
 pytestmark = pytest.mark.slow  # DeepSpeed on two ranks against stock in a fresh process
 
@@ -115,4 +116,4 @@ def test_deepspeed_two_ranks_equal_stock_one_process(stage, cfg, model_path, sto
     assert tree["engine"] == ("DeepSpeedEngine", stage) and tree["partitioned"] == (stage == 3), tree[
         "engine"
     ]
-    assert relative_difference(tree["params"], stock(cfg), initial_params(model_path)) < TOL
+    assert_equals_stock(stock(cfg), tree["params"], initial_params(model_path), TOL)

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 
 from forkrl.core.testing.ranks import run_in_subprocess, run_on_ranks
+from forkrl.core.testing.stock import assert_equals_stock
 
 pytest.importorskip("trl")
 
-from .trl_helpers import initial_params, relative_difference, save_tiny_llama, train  # noqa: E402
+from .trl_helpers import initial_params, save_tiny_llama, train  # noqa: E402
 
 pytestmark = pytest.mark.slow  # FSDP2 on two ranks against stock in a fresh process
 
@@ -94,4 +95,4 @@ def test_fsdp2_two_ranks_equal_stock_one_process(cfg, model_path, tmp_path):
     assert tree["param_type"] == "DTensor", tree["param_type"]
     assert tree["fsdp2_modules"] >= 3  # decoder layers and the root
     stock = run_in_subprocess(_fsdp_train, model_path, tmp_path, "stock", 4, cfg, env=env)
-    assert relative_difference(tree["params"], stock["params"], initial_params(model_path)) < TOL
+    assert_equals_stock(stock["params"], tree["params"], initial_params(model_path), TOL)

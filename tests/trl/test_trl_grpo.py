@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from forkrl.core.testing.ranks import run_in_subprocess, run_on_ranks
+from forkrl.core.testing.stock import assert_equals_stock
 
 trl = pytest.importorskip("trl")
 
@@ -28,7 +29,6 @@ from .trl_helpers import (  # noqa: E402
     letter_reward,
     make_rollout_func,
     prompt_dataset,
-    relative_difference,
     save_tiny_llama,
     train,
     train_rloo,
@@ -52,8 +52,7 @@ def _logged(trainer) -> list[dict]:
 
 
 def assert_same_run(stock, tree, init, stock_trainer, tree_trainer, tol: float = TOL) -> None:
-    rel = relative_difference(tree, stock, init)
-    assert rel < tol, f"plugin parameters differ from stock TRL's by {rel:.2e} of the update"
+    assert_equals_stock(stock, tree, init, tol, what="the plugin")
     a, b = _logged(stock_trainer), _logged(tree_trainer)
     assert len(a) == len(b) > 0
     for ha, hb in zip(a, b, strict=True):
@@ -125,7 +124,7 @@ def test_peft_adapter_as_reference(model_path, tmp_path):
     stock, st = train(model_path, tmp_path / "s", False, peft_config=lora, beta=0.1, trainer_hook=remember)
     tree, tt = train(model_path, tmp_path / "t", True, peft_config=lora, beta=0.1)
     assert stock and all("lora" in n for n in stock)
-    assert relative_difference(tree, stock, start) < TOL
+    assert_equals_stock(stock, tree, start, TOL)
     assert _logged(tt)[-1]["kl"] > 0
 
 
@@ -281,7 +280,7 @@ def test_data_parallel_two_processes_equals_one(model_path, init, tmp_path):
     dp = run_on_ranks(_dp_train, 2, model_path, tmp_path, "tree", 2, init_group=False)[0]
     assert (dp["world"], dp["type"]) == (2, "DistributedType.MULTI_CPU"), dp["type"]
     one = run_in_subprocess(_dp_train, model_path, tmp_path, "stock", 4)
-    assert relative_difference(dp["params"], one["params"], init) < TOL
+    assert_equals_stock(one["params"], dp["params"], init, TOL)
 
 
 @pytest.mark.slow
@@ -292,7 +291,7 @@ def test_tree_balance_moves_rows_and_keeps_the_update(model_path, init, tmp_path
     moved, steps = sum(dp["moved"]), len(dp["moved"])
     assert steps == 2 and moved > 0, dp["moved"]
     one = run_in_subprocess(_dp_train, model_path, tmp_path, "stock", 16, "on")
-    assert relative_difference(dp["params"], one["params"], init) < TOL
+    assert_equals_stock(one["params"], dp["params"], init, TOL)
 
 
 def test_tree_balance_refuses_a_composition_dependent_loss(model_path, tmp_path):
@@ -467,7 +466,7 @@ def test_rloo_plugin_equals_stock(cfg, model_path, init, tmp_path):
     TRL's own seeded generation produces the rollouts, identically in both runs."""
     stock, st = train_rloo(model_path, tmp_path / "stock", False, **cfg)
     tree, tt = train_rloo(model_path, tmp_path / "tree", True, **cfg)
-    assert relative_difference(tree, stock, init) < TOL
+    assert_equals_stock(stock, tree, init, TOL)
     assert _logged(tt)[-1]["tree/compression"] > 1.0
     for a, b in zip(_logged(st), _logged(tt), strict=True):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-4, abs_tol=1e-6)

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from forkrl.core.testing.stock import relative_difference
 from forkrl.core.testing.vision import SPECIAL, TEMPLATE, qwen_vl_model, qwen_vl_processor
 
-from .trl_helpers import base_args, relative_difference
+from .trl_helpers import base_args
 
 
 def _reward(completions, completion_ids, **kwargs) -> list[float]:
@@ -190,7 +191,7 @@ def _train(tmp_path, forkrl: bool, kind: str = "grpo", **kw):
 def test_a_vision_language_model_equals_stock(tmp_path, kind, extra):
     init, stock, _ = _train(tmp_path, forkrl=False, kind=kind, **extra)
     _, tree, trainer = _train(tmp_path, forkrl=True, kind=kind, **extra)
-    rel = relative_difference(tree, stock, init)  # of the update
+    rel = relative_difference(stock, tree, init)  # of the update
     print(f"{kind} {extra}: {rel:.2e} of the update")
     if "router_aux_loss_coef" in extra:  # the MoE VLM's router loss is in the update, on both sides
         assert trainer.aux_loss_enabled and any("aux_loss" in h for h in trainer.state.log_history)

@@ -1,6 +1,7 @@
 """Tiny, fully local TRL setups: a byte-level tokenizer, a tiny Llama saved to disk, a deterministic
 ``rollout_func`` whose completions share openings, repeat and vary in length, and a runner that
-trains stock ``trl.GRPOTrainer`` and forkrl's plugin on the same rollouts."""
+trains stock ``trl.GRPOTrainer`` and forkrl's plugin on the same rollouts: :func:`train`, the
+equals-stock entry point every host's test support has (compared by :mod:`forkrl.core.testing.stock`)."""
 
 from __future__ import annotations
 
@@ -167,20 +168,6 @@ def train_rloo(model_path: str, out: Path, forkrl: bool, **kw: Any) -> tuple[dic
     trainer = cls(model=model_path, reward_funcs=letter_reward, args=args, train_dataset=prompt_dataset())
     trainer.train()
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}, trainer
-
-
-def relative_difference(
-    a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], init: dict[str, torch.Tensor]
-) -> float:
-    """max |a - b| / max |b - init| over all parameters (init matched by name suffix for PEFT)."""
-    diff, change = 0.0, 0.0
-    for name, pb in b.items():
-        diff = max(diff, (a[name] - pb).abs().max().item())
-        key = next((k for k in init if name.endswith(k) or k.endswith(name)), None)
-        base = init[key] if key is not None and init[key].shape == pb.shape else torch.zeros_like(pb)
-        change = max(change, (pb - base).abs().max().item())
-    assert change > 0, "the reference run did not change the parameters"
-    return diff / change
 
 
 #: speculative_rollout on every step, drafts of 3 tokens (the TRL speculative and precision tests).
