@@ -125,3 +125,45 @@ def test_no_module_in_core_or_plugins_is_too_long_to_read():
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"modules over {MAX_LINES} lines (split them by concept, STYLE.md 16): {long}"
+
+
+#: What the product, its benchmarks, scripts and examples are; none of them may import the tests.
+SHIPPED = ("core", "plugins", "benchmarks", "scripts", "examples")
+
+
+def imports_of_tests(path: Path) -> list[str]:
+    """Each import in ``path`` (anywhere: module level, in a function, under ``TYPE_CHECKING``) of
+    the ``tests`` package or a module in it, as ``line: name``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        found += [f"{node.lineno}: {name}" for name in names if name == "tests" or name.startswith("tests.")]
+    return found
+
+
+def test_imports_of_tests_are_found_wherever_they_are(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text(
+        "import os, tests.verl.x\nfrom tests import y\nfrom .tests import z\n"
+        "def f():\n    from tests.e2e import cpu_host\n    import testsuite\n"
+    )
+    assert imports_of_tests(source) == ["1: tests.verl.x", "2: tests", "5: tests.e2e"]
+
+
+def test_shipped_code_imports_no_test_module():
+    """Benchmarks, scripts and examples use the product's test support (``forkrl.core.testing``,
+    ``forkrl.plugins.<host>.testing``), never the tests: a test module is free to change."""
+    bad = [
+        f"{path.relative_to(ROOT)}:{hit}"
+        for folder in SHIPPED
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for hit in imports_of_tests(path)
+    ]
+    assert not bad, (
+        "imports of the tests (move what they need into the product's test support): " + ", ".join(bad)
+    )
