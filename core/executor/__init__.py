@@ -7,12 +7,14 @@
 - :mod:`.model`: the model adapter (decoder / LM head split, cache kinds, switches).
 - :mod:`.cache`: the per-node caches and what a node leaves in them.
 - :mod:`.scan`: Mamba-1's selective scan from a parent's state.
-- :mod:`.context_parallel`: long-context replay with the prompt's cache split over ranks.
+- :mod:`.context_parallel`: long-context replay with the prompt's cache split over ranks (its
+  parallel schedule in :mod:`.cp_rounds`); :mod:`.cp_executor`: a forest's prompts split so.
 - :mod:`.vision`: images in a tree (each unique image through the vision tower once).
 """
 
 from ..tree import Unit, plan
 from .context_parallel import ContextParallelReplay, ContextParallelResult
+from .cp_executor import ContextParallelExecutor
 from .head import CoefficientFn
 from .model import ModelAdapter, UnsupportedModelError
 from .router import RouterLoss
@@ -23,6 +25,7 @@ __all__ = [
     "MODES",
     "PROMPT_GRADS",
     "CoefficientFn",
+    "ContextParallelExecutor",
     "ContextParallelReplay",
     "ContextParallelResult",
     "ExecMode",

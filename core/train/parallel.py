@@ -46,6 +46,10 @@ class ParallelContext:
         metrics_group: the group the ``tree/*`` figures are combined over (token counts summed,
             times maxed); None: ``group``.
         local_metrics: keep this rank's own figures (a host whose logger averages the ranks).
+        context_parallel: with ``long_context_replay``, the ranks that hold the same rows and split
+            each prompt between them (:class:`~forkrl.core.executor.cp_executor.ContextParallelExecutor`:
+            a host's sequence-parallel group); every rank ends with the whole step's gradient, as
+            if it had run the rows alone. None: each rank runs its rows by itself.
     """
 
     device: torch.device | str | None = None
@@ -55,6 +59,7 @@ class ParallelContext:
     balance_group: Any = None
     metrics_group: Any = None
     local_metrics: bool = False
+    context_parallel: Any = None
 
     @property
     def ranks(self) -> int:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..executor import MODES, ExecMode, Image, RouterLoss, TreeExecutor, VisionBatch
+from ..executor import MODES, ContextParallelExecutor, ExecMode, Image, RouterLoss, TreeExecutor, VisionBatch
 from ..objective import LossGradient, Quiet, WindowLoss, WindowResult, backward_window
 from ..tree import PrefixForest, RowLayout, Window
 from .distributed import all_ok, all_reduce_gradients, reduce_stats
@@ -176,20 +176,31 @@ class TreeStep:
         self.gather = gather
         self.temperature = temperature
         self.executor_kwargs = executor_kwargs
-        self._executors: dict[tuple[int, str], tuple[weakref.ref, TreeExecutor]] = {}
+        self._executors: dict[tuple, tuple[weakref.ref, TreeExecutor | ContextParallelExecutor]] = {}
         self._replicas: dict[int, FSDP2Replica | AliasReplica] = {}
         self.fused_ok = True
         self._score_time = 0.0
 
     # ------------------------------------------------------------------ executors
-    def executor(self, model: nn.Module, mode: ExecMode) -> TreeExecutor:
-        """The executor for ``model`` (the unwrapped module) in ``mode``, built once."""
-        key = (id(model), mode)
+    def executor(
+        self, model: nn.Module, mode: ExecMode, parallel: ParallelContext | None = None
+    ) -> TreeExecutor | ContextParallelExecutor:
+        """The executor for ``model`` (the unwrapped module) in ``mode``, built once; with
+        ``long_context_replay`` and a ``parallel.context_parallel`` group, the prompts are split
+        over that group (:class:`ContextParallelExecutor`)."""
+        group = (
+            parallel.context_parallel if parallel is not None and self.options.long_context_replay else None
+        )
+        key = (id(model), mode, id(group) if group is not None else None)
         entry = self._executors.get(key)
         if entry is None or entry[0]() is not model:
             kwargs = {**self.options.executor_kwargs(mode), **self.executor_kwargs}
-            entry = (weakref.ref(model), TreeExecutor(model, temperature=self.temperature, **kwargs))
-            self._executors[key] = entry
+            if group is not None:
+                kwargs = {k: kwargs[k] for k in ("block_size", "prompt_grad")}
+                built = ContextParallelExecutor(model, group, temperature=self.temperature, **kwargs)
+            else:
+                built = TreeExecutor(model, temperature=self.temperature, **kwargs)
+            entry = self._executors[key] = (weakref.ref(model), built)
         return entry[1]
 
     def check_model(self, model: nn.Module) -> None:
@@ -245,17 +256,19 @@ class TreeStep:
         entropy: bool = False,
         images: Images | None = None,
         token_types: Sequence[torch.Tensor] | None = None,
+        parallel: ParallelContext | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Prefix-shared no-grad log-probs (and entropies) of one micro-batch, in its host layout.
 
         Args:
             images: per row, its images (a vision-language model, :mod:`forkrl.core.executor.vision`).
             token_types: per row, which of its tokens are image placeholders (:meth:`score_window`).
+            parallel: the host's ranks; its ``context_parallel`` group splits long prompts.
 
         Returns:
             Tensors of ``layout.shape`` on the model's device, zeros at unscored slots.
         """
-        return self.score_window(model, [layout], entropy, images, token_types)[0]
+        return self.score_window(model, [layout], entropy, images, token_types, parallel)[0]
 
     def score_window(
         self,
@@ -264,6 +277,7 @@ class TreeStep:
         entropy: bool = False,
         images: Images | None = None,
         token_types: Sequence[torch.Tensor] | None = None,
+        parallel: ParallelContext | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """:meth:`score` for several micro-batches at once: one forest over all their rows, so
         prefixes shared across micro-batches are computed once too.
@@ -280,7 +294,7 @@ class TreeStep:
         window = window if isinstance(window, Window) else Window(window)
         replica = self._replica(model)
         with replica.gathered(grad=False) if replica is not None else contextlib.nullcontext(model) as target:
-            executor = self.executor(target, self.score_mode)
+            executor = self.executor(target, self.score_mode, parallel)
             vision, forest = _forest(target, StepInputs(window, images, token_types), grad=False)
             res = executor.score(forest, entropy=entropy, vision=vision)
             device = executor.device  # a replica's parameters are freed on exit
@@ -324,6 +338,12 @@ class TreeStep:
             router.bind(forest, window.rows)
         mode = self.options.mode_for(max(map(len, window.sequences)), gradient_checkpointing)
         path = "general" if loss.gradient == "constant" and not self.fused_ok else loss.gradient
+        if (
+            path == "token_local"
+            and parallel.context_parallel is not None
+            and self.options.long_context_replay
+        ):
+            path = "general"  # coefficients formed during the pass need one device's pass: score first
         replica = self._replica(model)
         if isinstance(replica, AliasReplica):
             raise ValueError(
@@ -333,7 +353,7 @@ class TreeStep:
             )
         # Under FSDP2 the step runs on a gathered plain replica, which reduces its gradients on exit.
         with replica.gathered(grad=True) if replica is not None else contextlib.nullcontext(model) as target:
-            executor = self.executor(target, mode)
+            executor = self.executor(target, mode, parallel)
             built: list = [forest]
 
             def run() -> WindowResult:

@@ -83,3 +83,58 @@ def test_token_local_coefficients_routers_and_images_are_refused_with_the_altern
     with pytest.raises(ValueError, match="one device"):
         with executor.images(object()):
             pass
+
+
+def _step_rank(kind: str) -> dict:
+    """TreeStep with long_context_replay and a context-parallel group against plain autograd: a PPO-style
+    loss (scored first) or a linear one with an entropy bonus (the fused path), padded TRL-style rows."""
+    import contextlib
+
+    from forkrl.core import RowLayout, TreeOptions, TreeStep
+    from forkrl.core.testing.models import dense_logprobs, left_padded
+    from forkrl.core.train import ParallelContext, StepLoss
+
+    g = torch.Generator().manual_seed(11)
+    rand = lambda n: torch.randint(0, 61, (n,), generator=g).tolist()  # noqa: E731
+    prompts = [rand(14), rand(9)]
+    rows = [(prompts[i % 2], rand(1 + (3 * i) % 5)) for i in range(6)]
+    ids, mask = left_padded(rows)
+    P, C = max(len(p) for p, _ in rows), max(len(c) for _, c in rows)
+    layout, scored = RowLayout.padded(ids, mask, C), mask[:, P:].bool()
+    adv = torch.randn(len(rows), 1, generator=g, dtype=torch.float64)
+    old = torch.randn(layout.shape, generator=g, dtype=torch.float64) * 0.1 - 3
+
+    def loss_fn(i, lp, ent):
+        m = scored.to(lp.dtype)
+        if kind == "linear":
+            return -(adv * lp * m).sum() / m.sum() - 0.01 * (ent * m).sum() / m.sum()
+        ratio = torch.exp(lp - old)
+        return -(torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv) * m).sum() / m.sum()
+
+    path = "constant" if kind == "linear" else "token_local"
+    with Float64Mode():
+        model = tiny_causal_lm("llama-gqa")
+        lps, ents = dense_logprobs(model, [p + c for p, c in rows], [len(p) for p, _ in rows], entropy=True)
+        want_loss = loss_fn(0, layout.to_host(torch.cat(lps)), layout.to_host(torch.cat(ents)))
+        want_loss.backward()
+        want = grads(model)
+        model.zero_grad(set_to_none=True)
+        step = TreeStep(TreeOptions(long_context_replay=True, tree_block_size=3))
+        parallel = ParallelContext(context_parallel=dist.group.WORLD)
+        res = step.train(model, [layout], StepLoss(loss_fn, path, quiet=contextlib.nullcontext), parallel)
+        scored_lp, _ = step.score(model, layout, parallel=parallel)
+    return {
+        "grad": max_rel_err(grads(model), want),
+        "loss": abs(float(res.loss) - float(want_loss)),
+        "score": float(((scored_lp - layout.to_host(torch.cat(lps))) * scored).abs().max()),
+        "path": res.objective.path,
+    }
+
+
+@pytest.mark.parametrize("kind, path", [("linear", "constant"), ("ppo", "general")])
+def test_tree_step_with_a_context_parallel_group_equals_plain_autograd(kind, path):
+    """Every rank of the group ends with the whole step's gradient (token-local losses are scored first)."""
+    for r in run_on_ranks(_step_rank, 2, kind, timeout=180):
+        assert r["grad"] < TOL, r
+        assert r["loss"] < 1e-12 and r["score"] < 1e-12, r
+        assert r["path"] == path, r
