@@ -8,14 +8,22 @@ train, and the communication it needs. Per rank (bytes, ``b`` per element, ``N``
     cache grad  the same (exact gradient; 0 truncated)
     states      params * state_bytes / N                     weights, grads, Adam (ZeRO-3 over the group)
     activations max(block, response) * per-token activations of one unit with grad (all layers)
-    queries     block * L_attn * H * d * b                   a serving rank's saved folded queries
+    queries     N * block * L_attn * H * d * b               every rank's queries of a round, saved for
+                                                             its backward (the parallel schedule; the
+                                                             serial one keeps one unit's: 1 * ...)
     reserve     fixed headroom (allocator, NCCL buffers, the LM head's logit chunks)
 
 Communication per rank per step (every unit, per attention layer; queries travel, the cache stays):
 forward ``n*H*d`` queries broadcast, ``n*H*(d+1)`` partials gathered at the owner; backward
 ``n*H*(2d+1)`` broadcast, ``n*H*d`` query gradient reduced: the prefill, the responses and the
-replay. The prompt's compute runs owner by owner (module docstring of the core): the time column is
-that serialized compute at the given MFU, the honest cost of this first version.
+replay (the serial schedule; the parallel one moves the same order of bytes, all-gathered and
+all-to-all per round: :func:`parallel_comm_bytes`).
+
+Time per step at the given MFU, two schedules (``ContextParallelReplay(schedule=...)``): ``serial``,
+the owners compute their chunks in turn (the whole prompt's compute on one device's clock);
+``parallel`` (the default), every rank its piece of each round at once, so the prompt's compute splits
+``N`` ways, the responses' attention too (each shard serves its part) while their dense part runs one
+response at a time, plus the parallel schedule's traffic at ``link_bandwidth`` (not overlapped).
 
 The check runs the real thing on 2 and 4 gloo ranks (a tiny float32 Llama) and prints, per rank,
 the measured kept shard and gradient-shard bytes and the measured collective payload next to this
@@ -120,6 +128,7 @@ class Setup:
     reserve: float = 10 * GB
     mfu: float = 0.4
     peak_flops: float = 989e12  # H200 dense bf16
+    link_bandwidth: float = 400e9  # bytes/s a rank receives (NVLink within a node, conservative)
 
 
 def per_rank_bytes(m: Shape, P: int, n: int, s: Setup, exact: bool = True) -> dict:
@@ -132,7 +141,7 @@ def per_rank_bytes(m: Shape, P: int, n: int, s: Setup, exact: bool = True) -> di
         "cache_grad": cache if exact else 0.0,
         "states": m.params * s.state_bytes / n,
         "activations": unit * m.act_per_token,
-        "queries": s.block * m.attn_layers * m.heads * m.head_dim * m.b,
+        "queries": n * s.block * m.attn_layers * m.heads * m.head_dim * m.b,
         "state": (m.layers - m.attn_layers) * m.state_bytes_per_layer * 2,  # a state and its gradient
         "reserve": s.reserve,
     }
@@ -152,14 +161,35 @@ def comm_bytes(m: Shape, P: int, n: int, s: Setup, exact: bool = True, pack: int
     return m.attn_layers * (fwd_tokens * fwd + grad_tokens * bwd)
 
 
-def step_seconds(m: Shape, P: int, s: Setup, exact: bool = True) -> float:
-    """Serialized compute of one step (prefill + responses + replay) at ``s.mfu``."""
+def parallel_comm_bytes(m: Shape, P: int, n: int, s: Setup, exact: bool = True, pack: int = 4) -> float:
+    """Bytes a rank receives per step in the parallel schedule: per attention layer, every other
+    rank's queries and partials for each prompt position (prefill, and with ``exact`` the replay's
+    forward and backward: packs and query-gradient shares), plus the responses as served units."""
+    if n == 1:
+        return 0.0
+    hd = m.heads * m.head_dim
+    fwd = hd * m.b + m.heads * (m.head_dim + 1) * pack
+    bwd = m.heads * (2 * m.head_dim + 1) * pack + hd * m.b
+    prompt = (P - 1) * (n - 1) / n * ((2 * fwd + bwd) if exact else fwd)
+    responses = s.group * (s.response + 1) * (fwd + bwd)
+    return m.attn_layers * (prompt + responses)
+
+
+def step_seconds(
+    m: Shape, P: int, s: Setup, exact: bool = True, n: int = 1, schedule: str = "serial"
+) -> float:
+    """One step (prefill + responses + replay) at ``s.mfu`` on ``n`` devices (module docstring)."""
     hd = m.heads * m.head_dim
     dense = 2 * m.active
     fwd_prompt = dense * P + 2 * m.attn_layers * hd * P * P  # causal: half of 4 * P^2 * hd per layer
-    resp = s.group * (s.response + 1) * (dense + 4 * m.attn_layers * hd * P)
-    flops = fwd_prompt + 3 * resp + (3 * fwd_prompt if exact else 0)
-    return flops / (s.peak_flops * s.mfu)
+    tokens = s.group * (s.response + 1)
+    resp_dense, resp_attn = tokens * dense, tokens * 4 * m.attn_layers * hd * P
+    prompt = fwd_prompt + (3 * fwd_prompt if exact else 0)
+    rate = s.peak_flops * s.mfu
+    if schedule == "serial":
+        return (prompt + 3 * (resp_dense + resp_attn)) / rate
+    compute = (prompt / n + 3 * (resp_dense + resp_attn / n)) / rate
+    return compute + parallel_comm_bytes(m, P, n, s, exact) / s.link_bandwidth
 
 
 def longest(m: Shape, n: int, s: Setup, exact: bool = True) -> int:
@@ -314,7 +344,8 @@ def main() -> None:
                         "states_GB": mem["states"] / GB,
                         "act_GB": mem["activations"] / GB,
                         "comm_GB": comm_bytes(m, P, n, s, exact) / GB,
-                        "hours": step_seconds(m, P, s, exact) / 3600,
+                        "hours_serial": step_seconds(m, P, s, exact) / 3600,
+                        "hours_parallel": step_seconds(m, P, s, exact, n, "parallel") / 3600,
                         "key": key,
                     }
                 )
@@ -328,19 +359,33 @@ def main() -> None:
         ("states_GB", "{:.1f}"),
         ("act_GB", "{:.1f}"),
         ("comm_GB", "{:.0f}"),
-        ("hours", "{:.2f}"),
+        ("hours_serial", "{:.2f}"),
+        ("hours_parallel", "{:.2f}"),
     ]
     print(
         f"H200 141 GB; block {s.block}, group {s.group} x {s.response} tokens, {s.state_bytes:g} B/param states "
-        f"sharded over the devices, {s.reserve / GB:g} GB reserve; hours: serialized compute at MFU {s.mfu}"
+        f"sharded over the devices, {s.reserve / GB:g} GB reserve; hours at MFU {s.mfu}: the serial schedule "
+        f"(owners in turn) and the parallel one (plus its traffic at {s.link_bandwidth / GB:g} GB/s)"
     )
     print_table(rows, cols)
     print()
     print_table(LONGSTRAW, [("system", "{}"), ("devices", "{}"), ("max_P", "{:,}"), ("note", "{}")])
     q7 = next(r for r in rows if r["key"] == "qwen2.5-7b" and r["devices"] == 8 and r["gradient"] == "exact")
+    m7 = MODELS["qwen2.5-7b"]
+    at = {
+        "model": m7.name,
+        "devices": 8,
+        "P": 2_100_000,
+        "fits": q7["max_P"] >= 2_100_000,
+        "hours_serial": step_seconds(m7, 2_100_000, s) / 3600,
+        "hours_parallel": step_seconds(m7, 2_100_000, s, True, 8, "parallel") / 3600,
+        "comm_GB_parallel": parallel_comm_bytes(m7, 2_100_000, 8, s) / GB,
+    }
     print(
-        f"\nQwen2.5-7B, 8 H200s, exact gradient: {q7['max_P']:,} positions (target 2,100,000: "
-        f"{'met' if q7['max_P'] >= 2_100_000 else 'NOT met'})"
+        f"\nQwen2.5-7B, 8 H200s, exact gradient: {q7['max_P']:,} positions fit (target 2,100,000: "
+        f"{'met' if at['fits'] else 'NOT met'}); at LongStraw's 2,100,000: {at['hours_parallel']:.2f} h per step "
+        f"in the parallel schedule ({at['hours_serial']:.2f} h serial; target under 1 h: "
+        f"{'met' if at['fits'] and at['hours_parallel'] < 1 else 'NOT met'})"
     )
     check = []
     if not args.no_check:
@@ -355,6 +400,7 @@ def main() -> None:
                 "setup": asdict(s),
                 "rows": rows,
                 "longstraw": LONGSTRAW,
+                "at_2_1M": at,
                 "check": check,
             }
         )
