@@ -12,31 +12,27 @@
 
 Either way the drafter is re-synced inside vLLM's worker after every ``sync_weights`` (forkrl's
 vLLM plugin, :class:`~forkrl.plugins.vllm.speculative.DrafterMirror`); the trainer only reads
-vLLM's counters around each generation into ``spec/*`` metrics.
+vLLM's counters around each generation into ``spec/*`` metrics (the server's through
+:func:`forkrl.plugins.vllm.speculative.prometheus_counters`).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import urllib.request
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 from torch import nn
 
 from forkrl.core.speculative import SelfSpeculativeRollout
-from forkrl.plugins.vllm.speculative import spec_counters, vllm_speculative_config
+from forkrl.plugins.vllm.speculative import prometheus_counters, spec_counters, vllm_speculative_config
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["colocate_engine_kwargs", "counters", "prometheus_counters"]
 
 _CALIBRATION_PROMPT = 128
-_PROM_LINE = re.compile(
-    r"^(vllm:spec_decode_num_(?:drafts|draft_tokens|accepted_tokens))(?:_total)?(?:\{[^}]*\})?\s+(\S+)$"
-)
 
 
 def colocate_engine_kwargs(config: Any, policy_model: Callable[[], nn.Module]) -> Callable[[dict], dict]:
@@ -81,16 +77,6 @@ def calibrated_schedule(config: Any, model: nn.Module, max_batch: int) -> list[t
     schedule = policy.batch_schedule(max_batch)
     logger.info("speculative_rollout: draft length per batch size %s", schedule)
     return schedule
-
-
-def prometheus_counters(text: str) -> dict[str, float]:
-    """vLLM's speculative-decoding counters from its server's ``/metrics`` (Prometheus text)."""
-    metrics = []
-    for line in text.splitlines():
-        m = _PROM_LINE.match(line.strip())
-        if m:
-            metrics.append(SimpleNamespace(name=m.group(1), value=float(m.group(2))))
-    return spec_counters(metrics)
 
 
 def counters(generation: Any) -> dict[str, float] | None:

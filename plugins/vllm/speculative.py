@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from types import SimpleNamespace
 from typing import Any
 
 from forkrl.core.quant import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES
@@ -27,6 +28,7 @@ from forkrl.core.speculative import SpeculativeOptions
 __all__ = [
     "QUANT_METHODS",
     "check_engine_policy",
+    "prometheus_counters",
     "quantization_name",
     "spec_counters",
     "spec_decode_metrics",
@@ -44,6 +46,10 @@ _SPEC_COUNTERS = {
     "draft_tokens": "vllm:spec_decode_num_draft_tokens",
     "accepted": "vllm:spec_decode_num_accepted_tokens",
 }
+# One of them in a server's Prometheus text: a counter's name may end in _total and carry labels.
+_PROM_LINE = re.compile(
+    rf"^({'|'.join(map(re.escape, _SPEC_COUNTERS.values()))})(?:_total)?(?:\{{[^}}]*\}})?\s+(\S+)$"
+)
 
 
 def quantization_name(bits: int, group_size: int | None = None) -> str:
@@ -167,3 +173,13 @@ def spec_counters(metrics: Iterable[Any]) -> dict[str, float]:
         if key is not None:
             out[key] += float(m.value)
     return out
+
+
+def prometheus_counters(text: str) -> dict[str, float]:
+    """vLLM's speculative-decoding counters from its server's ``/metrics`` (Prometheus text)."""
+    metrics = []
+    for line in text.splitlines():
+        m = _PROM_LINE.match(line.strip())
+        if m:
+            metrics.append(SimpleNamespace(name=m.group(1), value=float(m.group(2))))
+    return spec_counters(metrics)
