@@ -1,5 +1,6 @@
-"""``benchmarks/trl_vllm_run.py`` runs end to end (a tiny policy, two modes, two steps) and prints its
-table and a last line of JSON whose rows carry the step, rollout and speculative figures."""
+"""``benchmarks/trl_vllm_run.py`` runs end to end (a tiny policy, two modes, two steps of 2 prompts x 4
+completions of at most 16 tokens) and prints its table and a last line of JSON whose rows carry the
+step, rollout and speculative figures."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def test_the_trl_vllm_benchmark_runs(tmp_path):
     proc = subprocess.run(
         [
             sys.executable, "-m", "benchmarks.trl_vllm_run", "--model", "tiny", "--train-seconds", "5",
-            "--steps", "2", "--modes", "stock,always", "--max-new-tokens", "32", "--dir", str(tmp_path),
+            "--steps", "2", "--modes", "stock,always", "--max-new-tokens", "16", "--prompts", "2",
+            "--dir", str(tmp_path),
         ],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
