@@ -158,7 +158,11 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         inputs = host.split(data)
         with host.context():
             scored = self.forkrl.tree(temperature).score_window(
-                self.module, inputs.layouts, entropy=host.entropy, images=inputs.images
+                self.module,
+                inputs.layouts,
+                entropy=host.entropy,
+                images=inputs.images,
+                parallel=host.parallel(),
             )
             outputs = []
             for mb, (lp, ent) in zip(host.own, scored, strict=True):
@@ -173,10 +177,19 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
                 )
         return outputs
 
+    @property
+    def _context_parallel(self):
+        """The Ulysses group, when it splits each prompt between its ranks (``long_context_replay``:
+        :class:`forkrl.core.executor.ContextParallelExecutor`); None otherwise."""
+        if self.ulysses_sequence_parallel_size > 1 and self._tree_options.long_context_replay:
+            return self.ulysses_parallel_group
+        return None
+
     def _share(self, micro_batches) -> list[int] | None:
-        """The micro-batches this rank runs of its Ulysses group's mini-batch (None: all of them)."""
+        """The micro-batches this rank runs of its Ulysses group's mini-batch (None: all of them: no
+        Ulysses group, or one that splits each prompt instead)."""
         size = self.ulysses_sequence_parallel_size
-        if size <= 1:
+        if size <= 1 or self._context_parallel is not None:
             return None
         tokens = [int(mb["input_ids"].offsets()[-1]) for mb in micro_batches]
         return share_micro_batches(tokens, size, self.ulysses_device_mesh["sp"].get_local_rank())
@@ -410,6 +423,9 @@ class VeRLHost(HostDefaults):
             # veRL averages each rank's metrics; a Ulysses group's step is one: tokens summed, times maxed
             local_metrics=self.mine is None,
             metrics_group=None if self.mine is None else engine.ulysses_parallel_group,
+            # long_context_replay: the group splits each prompt; every rank ends with the whole
+            # gradient, and FSDP's average over dp x sp ranks is then stock's (module ulysses)
+            context_parallel=engine._context_parallel,
         )
 
     def balancing(self, window: Sequence) -> bool:

@@ -20,8 +20,17 @@ veRL reports are each micro-batch's own, unscaled.
 A mini-batch with fewer micro-batches than the group has ranks runs whole on every rank (exact too:
 each rank's gradient is the dp rank's, and the average over the group's ``C`` copies is that).
 
+With ``long_context_replay`` the group divides the work the other way round: every rank runs every
+micro-batch, and each prompt is split over the group's ranks
+(:class:`forkrl.core.executor.ContextParallelExecutor`: each rank keeps ``1/C`` of a prompt's cache
+and computes its pieces of it while the others compute theirs; the responses are dealt to the ranks).
+Every rank ends with the mini-batch's whole gradient, so FSDP's average over the ``D * C`` ranks is
+stock's ``1/D * sum_d sum_i grad loss_{d,i}``; the losses and log-probs are every micro-batch's on
+every rank. A prompt longer than one device holds then trains, exactly, on ``C``.
+
 Inside the tree's passes veRL's Ulysses attention is switched off (:func:`compat.ulysses_off`): the
-tree's attention calls run whole sequences and must not all-to-all.
+tree's attention calls run whole sequences (or forkrl's context-parallel attention) and must not
+all-to-all.
 """
 
 from __future__ import annotations

@@ -75,6 +75,9 @@ def _ulysses_rank(path: str) -> dict:
     def update(name):
         return torch.cat([(params[name][n].double() - init[n].double()).flatten() for n in sorted(init)])
 
+    # long_context_replay under Ulysses: the group split each prompt between its ranks
+    executors = workers["replay"][0].engine.forkrl.tree(1.0)._executors.values()
+    values["replay-split"] = [type(e).__name__ for _, e in executors]
     bf16 = Bf16Rounding("mixed", update("tree-mixed"), update("sp2-mixed"), update("sp2"))
     values["mixed-off"] = (bf16.off, bf16.near)
     if metrics["sp2"] is not None:  # veRL collects from the Ulysses group's first rank
@@ -90,7 +93,8 @@ def _ulysses_rank(path: str) -> dict:
 
 
 def test_ulysses_group_equals_stock(tmp_path):
-    """Tree packing and long-context replay under ``ulysses_sequence_parallel_size=2``: fixed and
+    """Tree packing and long-context replay (each prompt split over the group) under
+    ``ulysses_sequence_parallel_size=2``: fixed and
     token-budget micro-batches, a loss normalised per micro-batch (``seq-mean-token-sum-norm``), one
     micro-batch (every rank runs it), veRL's mixed precision (the bf16 criterion): veRL's update
     after two steps, its losses and its log-probs."""
@@ -98,6 +102,8 @@ def test_ulysses_group_equals_stock(tmp_path):
 
     path = save_pretrained(byte_llama(0), byte_tokenizer(), tmp_path / "model")
     ranks = run_on_ranks(_ulysses_rank, 2, str(path), init_group=False)
+    for r in ranks:  # long_context_replay: each prompt split over the group (ContextParallelExecutor)
+        assert r.pop("replay-split") == ["ContextParallelExecutor"], r
     values = {(rank, name): v for rank, per_name in enumerate(ranks) for name, v in per_name.items()}
     assert {k for r, k in values if r == 1} == {
         "dp2", "sp2-sdpa", "tree", "replay", "tree-dynamic", "tree-sumnorm", "tree-whole", "mixed-off"
