@@ -33,6 +33,10 @@ all-gathered so that every rank reports every micro-batch. DeepSpeed averages th
 all ranks, and stock's ring ranks each hold ``R`` times their slice's gradient (the log-probs'
 all-gather reduce-scatters its gradient), so the update is stock's for any loss: each micro-batch
 keeps its rows and normalisers. A window with fewer micro-batches than ``R`` runs whole on every rank.
+With ``--forkrl.long_context_replay`` the group splits each prompt instead
+(:class:`forkrl.core.executor.ContextParallelExecutor`): every rank runs the whole window, keeps
+``1/R`` of each prompt's cache and computes its pieces of it, and ends with the window's whole
+gradient (DeepSpeed's average is then stock's); scoring likewise returns every row on every rank.
 
 Old-policy and reference log-probs go through :func:`score_log_probs` (prefix-shared, no grad; under
 ring attention each rank of the group scores its share of the rows, :func:`ring_share`).
@@ -220,8 +224,11 @@ def score_log_probs(
         images: per row, its images (a vision-language model, :func:`row_images`), or None.
     """
     ring = compat.ring_group()
+    split = (
+        ring if ring is not None and tree.options.long_context_replay else None
+    )  # each prompt over the group
     rows = None
-    if ring is not None and images is None:  # a vision-language actor is refused under ring attention
+    if ring is not None and images is None and split is None:  # a VLM actor is refused under ring attention
         size, rank = dist.get_world_size(ring), dist.get_rank(ring)
         rows = ring_share(sequences.cpu(), attention_mask.cpu(), int(action_mask.shape[1]), size, rank)
     if rows is not None:
@@ -233,7 +240,12 @@ def score_log_probs(
     module.eval()
     try:
         with compat.ring_attention_off():  # the tree computes whole sequences on each rank
-            logps, _ = tree.score(module, layout, images=images)
+            logps, _ = tree.score(
+                module,
+                layout,
+                images=images,
+                parallel=ParallelContext(context_parallel=split) if split is not None else None,
+            )
     finally:
         module.train(was_training)
     if rows is not None:
@@ -497,7 +509,13 @@ class OpenRLHFHost(HostDefaults[MicroBatch]):
         self._owned: list[int] = []
 
     def parallel(self) -> ParallelContext:
-        return ParallelContext(self.device, lockstep=world_size() > 1)
+        return ParallelContext(self.device, lockstep=world_size() > 1, context_parallel=self._split)
+
+    @property
+    def _split(self):
+        """The ring group, when it splits each prompt between its ranks (``long_context_replay``:
+        every rank runs the whole window; module docstring); None otherwise."""
+        return compat.ring_group() if self.trainer.tree_options.long_context_replay else None
 
     def rebalance(self, window: Sequence[MicroBatch], cost: CostModel) -> tuple[list[MicroBatch], Rebalanced]:
         """The window's rows over the ranks by tree cost (the same normalisers)."""
@@ -506,7 +524,7 @@ class OpenRLHFHost(HostDefaults[MicroBatch]):
     def inputs(self, window: Sequence[MicroBatch]) -> StepInputs:
         ring = compat.ring_group()
         self._mine = None
-        if ring is not None:
+        if ring is not None and self._split is None:
             tokens = [int(e.attention_mask.sum()) for e, _ in window]
             self._mine = share_micro_batches(tokens, dist.get_world_size(ring), dist.get_rank(ring))
         self._owned = list(range(len(window))) if self._mine is None else self._mine

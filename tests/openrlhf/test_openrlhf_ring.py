@@ -98,6 +98,14 @@ def _ring_rank() -> dict[str, tuple[float, float]]:
             values[f"score-{name}"] = (max_rel_err([got], [want]), 1.0)
     tree_trainer._layout = layout
     values["score-share"] = (sum(rows) / (2 * e.sequences.shape[0]), 1.0)
+    # long_context_replay: each prompt split over the ring, every rank scoring every row
+    r = runs["replay"][0]
+    with h.cpu():
+        want = h.policy_actor(r, PolicyModelActor.__ray_actor_class__).forward(*inputs)
+        got = h.policy_actor(r, actors.TreePolicyModelActor).forward(*inputs)
+    values["score-replay"] = (max_rel_err([got], [want]), 1.0)
+    executors = runs["replay"][0].forkrl.tree()._executors.values()
+    values["replay-split"] = [type(ex).__name__ for _, ex in executors]
     before = dict(h.byte_llama(0).named_parameters())
 
     def update(name):
@@ -110,15 +118,18 @@ def _ring_rank() -> dict[str, tuple[float, float]]:
 
 
 def test_ring_group_equals_stock():
-    """Tree packing (ZeRO-2 and ZeRO-3), long-context replay, a one-micro-batch window, and bf16
+    """Tree packing (ZeRO-2 and ZeRO-3), long-context replay (each prompt split over the ring), a
+    one-micro-batch window, and bf16
     (OpenRLHF's criterion: within half the bf16 gap of stock) under ``--ds.ring_attn_size 2``:
     OpenRLHF's update after two rounds and its logged policy loss. Old-policy and reference scoring:
     OpenRLHF's actors' log-probs, each rank of the ring scoring its share of the rows only."""
     ranks = run_on_ranks(_ring_rank, 2, timeout=900)
+    for r in ranks:  # long_context_replay trained each prompt split over the ring
+        assert "ContextParallelExecutor" in r.pop("replay-split"), r
     values = {(rank, name): v for rank, per_name in enumerate(ranks) for name, v in per_name.items()}
     names = {"dp", "ring-sdpa", "tree", "replay", "tree-zero3", "tree-one", "bf16-near"}
     names |= {f"{n}-loss" for n in ("tree", "tree-zero3", "tree-one")}
-    names |= {"score-policy", "score-reference", "score-share"}
+    names |= {"score-policy", "score-reference", "score-share", "score-replay"}
     assert {k for r, k in values if r == 1} == names, values
     # each rank scored a share of the batch, together all of it once
     assert values[0, "score-share"][0] + values[1, "score-share"][0] == 1.0, values
