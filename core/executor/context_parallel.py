@@ -507,7 +507,7 @@ class ContextParallelReplay:
         if self.prompt_grad == "exact":  # 3. reverse replay, the last round or block first
             self._prompt(s, prompt, grad=True)
         if self.reduce_grads:  # 4. every rank: the whole step's gradient
-            self._sum_grads()
+            self.sum_grads()
         return out
 
     def _prompt(self, s: _Session, prompt: torch.Tensor, grad: bool) -> None:
@@ -541,7 +541,8 @@ class ContextParallelReplay:
                 out.extend(self._unit(s, unit, ids, work.coefficients_of(i)))
         return out
 
-    def _sum_grads(self) -> None:
+    def sum_grads(self) -> None:
+        """Sum ``param.grad`` over the group (every rank then holds the group's whole gradient)."""
         for p in self.model.parameters():
             if p.requires_grad:
                 if p.grad is None:

@@ -112,11 +112,7 @@ class ContextParallelExecutor:
         entropy = entropy or grad_entropies is not None
         res = self._pass(forest, grad_logprobs, grad_entropies, entropy)
         if self.reduce_grads:
-            for p in self.replay.model.parameters():
-                if p.requires_grad:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    dist.all_reduce(p.grad, group=self.group)
+            self.replay.sum_grads()  # once per forest, not per tree
         return res
 
     # ------------------------------------------------------------------ internals
