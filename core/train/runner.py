@@ -221,7 +221,7 @@ class TreeRunner(Generic[M]):
         try:
             if vision:
                 check_vision_model(getattr(model, "get_base_model", lambda: model)())
-            self.tree().check_model(model)
+            self.tree().check_model(model, self.host.parallel())
         except UnsupportedModelError as err:
             raise err.for_host(way_out) from err
 

@@ -203,8 +203,9 @@ class TreeStep:
             entry = self._executors[key] = (weakref.ref(model), built)
         return entry[1]
 
-    def check_model(self, model: nn.Module) -> None:
-        """Raise :class:`~forkrl.core.UnsupportedModelError` now for a model no tree can run."""
+    def check_model(self, model: nn.Module, parallel: ParallelContext | None = None) -> None:
+        """Raise :class:`~forkrl.core.UnsupportedModelError` now for a model no tree can run (with
+        ``parallel.context_parallel``, also one whose prompts cannot be split over the group)."""
         replica = self._replica(model)
         target = replica.replica if replica is not None else model
         executor = self.executor(target, self.score_mode)
@@ -213,6 +214,8 @@ class TreeStep:
             executor.verify()
         if self.options.tree_mode == "packed":
             self.executor(target, "packed")
+        if parallel is not None and parallel.context_parallel is not None:
+            self.executor(target, "replay", parallel)  # the context-parallel executor checks the model
 
     def _replica(self, model: nn.Module) -> FSDP2Replica | AliasReplica | None:
         """The gathered replica of an FSDP2-sharded or ZeRO-3-partitioned model (built once), or

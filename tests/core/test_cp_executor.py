@@ -167,3 +167,16 @@ def test_bf16_weights_are_as_accurate_as_plain_autograd():
     float32 one than plain bf16 autograd's (the pack and merges run in float32)."""
     for r in run_on_ranks(_bf16_rank, 2, timeout=180):
         assert 0.5 <= r["off"] <= 1.5, r  # measured 0.97 (|tree - stock| 0.86 of the bf16 gap)
+
+
+def test_a_model_the_group_cannot_split_is_refused_when_the_step_is_set_up():
+    """Checked with the host's setup (TreeRunner.check_model), before any rollout: a hybrid model under
+    long_context_replay with a context-parallel group is refused naming single-device replay."""
+    from forkrl.core import TreeOptions, TreeStep, UnsupportedModelError
+    from forkrl.core.train import ParallelContext
+
+    step = TreeStep(TreeOptions(long_context_replay=True))
+    hybrid = tiny_causal_lm("qwen3next")
+    step.check_model(hybrid)  # one device: single-device replay runs hybrids
+    with pytest.raises(UnsupportedModelError, match=r"mode='replay', prompt_grad='exact'"):
+        step.check_model(hybrid, ParallelContext(context_parallel=object()))
