@@ -150,35 +150,40 @@ def _rank_main(a: argparse.Namespace) -> None:
     group = dist.new_group(list(range(world)))
     alone_group = dist.new_group([0])
 
-    def step(schedule: str, on=None) -> tuple[float, object, int]:
+    def step(schedule: str, on=None) -> tuple[float, float, object, int]:
+        """(wall seconds, this rank's compute seconds, result, bytes received) of one step."""
         model.zero_grad(set_to_none=True)
         cp = ContextParallelReplay(model, group=on or group, block_size=a.block, schedule=schedule)
         with _Received() as received:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()  # one thread computes (gloo waits elsewhere)
             res = cp.backward(
                 prompt,
                 responses if on else [responses[i] for i in mine],
                 coefs if on else [coefs[i] for i in mine],
             )
-            seconds = time.perf_counter() - t0
-        return seconds, res, received.bytes
+            seconds, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        return seconds, cpu, res, received.bytes
 
     step("parallel")  # warm-up: kernels, allocator
     times = {"serial": [], "parallel": []}
+    cpus = {"serial": [], "parallel": []}
     for _ in range(a.repeats):
         for schedule in ("serial", "parallel"):
             dist.barrier()
-            seconds, res, comm = step(schedule)
+            seconds, cpu, res, comm = step(schedule)
             times[schedule].append(seconds)
+            cpus[schedule].append(cpu)
             if schedule == "serial":
                 serial_res, serial_comm = res, comm
             else:
                 parallel_res, parallel_comm = res, comm
-    alone = []
+    alone, alone_cpu = [], []
     dist.barrier()
     if rank == 0:
         for _ in range(a.repeats):
-            alone.append(step("parallel", on=alone_group)[0])
+            seconds, cpu, _, _ = step("parallel", on=alone_group)
+            alone.append(seconds)
+            alone_cpu.append(cpu)
     dist.barrier()
     cfg = model.config
     heads, d = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
@@ -191,6 +196,9 @@ def _rank_main(a: argparse.Namespace) -> None:
         "serial_s": statistics.median(times["serial"]),
         "parallel_s": statistics.median(times["parallel"]),
         "alone_s": statistics.median(alone) if alone else None,
+        "serial_cpu_s": statistics.median(cpus["serial"]),
+        "parallel_cpu_s": statistics.median(cpus["parallel"]),
+        "alone_cpu_s": statistics.median(alone_cpu) if alone_cpu else None,
         "shard_parallel": parallel_res.shard_bytes,
         "shard_serial": serial_res.shard_bytes,
         "comm_parallel": parallel_comm,
@@ -198,9 +206,33 @@ def _rank_main(a: argparse.Namespace) -> None:
         "predicted_parallel": comm_bytes("parallel", cached, a.block, lengths, rank, shape),
         "predicted_serial": comm_bytes("serial", cached, a.block, lengths, rank, shape),
     }
-    print("RESULT " + json.dumps(record), flush=True)
-    dist.barrier()
+    for r in range(world):  # one rank at a time: records must not interleave on the shared stdout
+        if r == rank:
+            print("RESULT " + json.dumps(record), flush=True)
+        dist.barrier()
     dist.destroy_process_group()
+
+
+def machine_parallelism(processes: int, size: int = 768, reps: int = 30) -> float:
+    """How much faster ``processes`` single-thread matmul processes run at once than one after
+    another (``processes`` on a machine with as many free cores; about 1 where they share one)."""
+    import subprocess
+    import time
+
+    code = (
+        "import torch, time\ntorch.set_num_threads(1)\n"
+        f"a = torch.randn({size}, {size})\nfor _ in range({reps}): a @ a\n"
+    )
+    run = [sys.executable, "-c", code]
+    t0 = time.perf_counter()
+    subprocess.run(run, check=True)
+    one = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen(run) for _ in range(processes)]
+    for p in procs:
+        p.wait()
+    together = time.perf_counter() - t0
+    return processes * one / together
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -212,7 +244,8 @@ def main(argv: list[str] | None = None) -> None:
         run_ranks("benchmarks.long_context_cp", RANK_FLAG, ranks=a.ranks, timeout=1800),
         key=lambda r: r["rank"],
     )
-    alone = ranks[0]["alone_s"]
+    alone, alone_cpu = ranks[0]["alone_s"], ranks[0]["alone_cpu_s"]
+    scaling = machine_parallelism(a.ranks)
     rows = []
     for r in ranks:
         rows.append(
@@ -222,6 +255,8 @@ def main(argv: list[str] | None = None) -> None:
                 "parallel_s": r["parallel_s"],
                 "one_rank_s": alone,
                 "parallel_vs_serial": r["serial_s"] / r["parallel_s"],
+                "parallel_cpu_s": r["parallel_cpu_s"],
+                "cpu_share_of_one_rank": r["parallel_cpu_s"] / alone_cpu,
                 "cache_KB": r["shard_parallel"] / 1e3,
                 "comm_parallel_MB": r["comm_parallel"] / 1e6,
                 "comm_serial_MB": r["comm_serial"] / 1e6,
@@ -232,6 +267,11 @@ def main(argv: list[str] | None = None) -> None:
         f"median of {a.repeats}"
     )
     print_table(rows, [(k, "{:.3f}" if isinstance(v, float) else "{}") for k, v in rows[0].items()])
+    print(
+        f"This machine runs {a.ranks} single-thread matmul processes at once {scaling:.2f}x as fast as one "
+        f"(ideal {a.ranks}x): wall-clock gains need that many real devices; cpu_share_of_one_rank is the "
+        f"compute each rank does against one rank doing it all (ideal 1/{a.ranks})."
+    )
     speedup = min(r["parallel_vs_serial"] for r in rows)
     print(
         json.dumps(
@@ -242,6 +282,8 @@ def main(argv: list[str] | None = None) -> None:
                 "ranks": ranks,
                 "parallel_vs_serial": speedup,
                 "parallel_vs_one_rank": alone / max(r["parallel_s"] for r in ranks),
+                "cpu_share": max(r["parallel_cpu_s"] for r in ranks) / alone_cpu,
+                "machine_parallelism": scaling,
             }
         )
     )
