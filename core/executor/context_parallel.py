@@ -500,7 +500,8 @@ class ContextParallelReplay:
             if s.last_hidden is None:
                 h = self.adapter.config.hidden_size
                 s.last_hidden = torch.empty(h, dtype=self.adapter.head.weight.dtype, device=self.device)
-            dist.broadcast(s.last_hidden, s.global_ranks[s.world - 1], group=s.group)
+            last = s.layout[-1].last if s.layout else s.world - 1  # the rank that ran the last position
+            dist.broadcast(s.last_hidden, s.global_ranks[last], group=s.group)
         out = self._responses(s, prompt, work)
         if not work.grad:  # scoring: no replay, no gradient
             return out

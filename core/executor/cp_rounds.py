@@ -27,9 +27,10 @@ and returns it as the gradient of the piece's keys/values. A round is layer-sync
 rank issues the same collectives in the same order (two per layer forward, two backward), whatever
 its responses.
 
-Load balance: within a round rank ``r`` attends to ``r`` earlier pieces more than rank 0; over many
-rounds that is a small share of the work (a striped layout: every rank holds ``1/C`` of every stretch
-of the prompt, so the attention to earlier rounds, the bulk at long context, splits evenly).
+Load balance: every rank holds ``1/C`` of every stretch of the prompt (a striped layout), so the
+attention to earlier rounds, the bulk at long context, splits evenly; within a round the rank holding
+an earlier piece serves the later pieces' queries over it, and odd rounds reverse the pieces' rank
+order (zigzag) so that this extra work alternates between the ranks.
 """
 
 from __future__ import annotations
@@ -81,7 +82,12 @@ class Round:
     def visible(self, server: int, reader: int) -> int:
         """How many positions of ``server``'s shard lie before ``reader``'s piece of this round."""
         a, b = self.pieces[server]
-        return self.offsets[server] + (b - a if server < reader else 0)
+        return self.offsets[server] + (b - a if a < self.pieces[reader][0] else 0)
+
+    @property
+    def last(self) -> int:
+        """The rank whose piece ends the round."""
+        return max(range(len(self.pieces)), key=lambda r: self.pieces[r][1])
 
 
 def rounds(cached: int, world: int, block: int | None) -> list[Round]:
@@ -89,6 +95,8 @@ def rounds(cached: int, world: int, block: int | None) -> list[Round]:
 
     Every piece is non-empty (at most ``cached // world`` rounds), so every rank runs every round; a
     round's odd positions go to the ranks holding fewest so far, so shards differ by at most one.
+    Odd rounds lay their pieces out in reverse rank order (zigzag): the rank that serves the round's
+    later pieces in one round is served in the next, so the in-round work evens out.
     """
     per_round = world * block if block else cached
     count = max(1, min(-(-cached // per_round), cached // world))
@@ -97,10 +105,10 @@ def rounds(cached: int, world: int, block: int | None) -> list[Round]:
     for a, b in zip(edges, edges[1:], strict=False):
         base, extra = divmod(b - a, world)
         plus = set(sorted(range(world), key=lambda r: (held[r], r))[:extra])
-        pieces, start = [], a
-        for r in range(world):
-            pieces.append((start, start + base + (r in plus)))
-            start = pieces[-1][1]
+        pieces, start = [None] * world, a
+        for r in range(world) if len(out) % 2 == 0 else reversed(range(world)):
+            pieces[r] = (start, start + base + (r in plus))
+            start = pieces[r][1]
         out.append(Round(tuple(pieces), tuple(held)))
         held = [h + (q - p) for h, (p, q) in zip(held, pieces, strict=True)]
     return out
