@@ -9,6 +9,10 @@
   groups, deep trees), for tests, benchmarks and the GPU checks.
 - :mod:`.ranks`: multi-process runs (:func:`~.ranks.run_on_ranks`: a function on N gloo ranks,
   results as data; :func:`~.ranks.torchrun` for a host launcher's script, :func:`~.ranks.finish`).
+- :mod:`.stock`: the one "equals stock" comparison every host's tests use (:func:`~.stock.relative_difference`,
+  :func:`~.stock.assert_equals_stock`); :mod:`.group`: a one-rank gloo group for in-process host runs;
+  :mod:`.launcher`: a host launcher run as a user runs it, and the rollout log; :mod:`.rewards`: the
+  end-to-end runs' reward in each host's form.
 """
 
 from ..memory import SavedBytes, peak_rss_bytes
