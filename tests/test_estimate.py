@@ -424,12 +424,9 @@ def test_a_missing_file_and_text_without_a_tokenizer(tmp_path):
 @pytest.mark.timing
 def test_the_predicted_speedup_holds_within_25_percent_of_measured_steps():
     """Three shapes the fit never timed: keep's predicted speedup against benchmarks.tree_training's
-    measured one (dense and keep side by side, the mean of two runs each). CI time: the default
-    shapes with every length halved (the same ideal token ratios 2.4, 3.4 and 8.5; measured 1.4x,
-    2.2x and 3.0x, worst error seen 7%), which halves the fit's timings (127 s -> 78 s)."""
-    shapes = "128:8:64,512:4:32,256:16:16"
+    measured one (dense and keep side by side, the mean of two runs each)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.estimate_check", "--repeat", "2", "--shapes", shapes],
+        [sys.executable, "-m", "benchmarks.estimate_check", "--repeat", "2"],  # CI time; worst seen 12%
         capture_output=True,
         text=True,
         cwd=ROOT,
