@@ -243,24 +243,31 @@ def _launch(
 
 
 def _wait(procs: list, work: Path, deadline: float) -> str | None:
-    """Wait for every rank; the first failure (a raised exception, a death, the deadline) as text."""
+    """Wait for every rank; the first failure (a raised exception, a death, the deadline) as text.
+
+    Of ranks that raised, the one whose result was written first is reported: a rank's error makes
+    the others fail in their next collective, and those may exit before the parent looks.
+    """
     while True:
         running = False
+        raised = []
         for rank, (proc, _) in enumerate(procs):
             code = proc.poll()
-            if code is None:
-                running = True
-                continue
-            result = work / f"{rank}.result"
+            result = work / f"{rank}.result"  # written whole (a rename), read even before the rank exits
             if result.exists():
                 ok, value = pickle.loads(result.read_bytes())
                 if not ok:
-                    return f"rank {rank} of {len(procs)} raised:\n{value}"
-            else:
+                    raised.append((result.stat().st_mtime_ns, rank, value))
+            if code is None:
+                running = True
+            elif not result.exists():
                 log = (work / f"{rank}.log").read_text(errors="replace")[-4000:]
                 return (
                     f"rank {rank} of {len(procs)} exited with {code} and no result; its output ends:\n{log}"
                 )
+        if raised:
+            _, rank, value = min(raised)
+            return f"rank {rank} of {len(procs)} raised:\n{value}"
         if not running:
             return None
         if time.monotonic() > deadline:
