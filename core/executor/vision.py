@@ -42,8 +42,9 @@ video, packed mode, and other vision-language models (e.g. Gemma 4, SmolVLM, Int
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -51,7 +52,7 @@ from torch import nn
 from .. import compat
 from ..errors import UnsupportedModelError
 
-__all__ = ["Image", "VisionBatch", "images_from"]
+__all__ = ["IMAGE_KEYS", "VIDEO_KEYS", "Image", "VisionBatch", "images_from", "processor_images"]
 
 #: Supported models and how their images enter: "mrope" (patches and a grid per image, multimodal
 #: RoPE from get_rope_index), "plain" (LLaVA: one ``[C, H, W]`` image, positions by depth), "anyres"
@@ -129,6 +130,50 @@ def images_from(
         sizes = torch.as_tensor(image_sizes).reshape(-1, 2)
         return [Image(p, image_size=s) for p, s in zip(pixels, sizes, strict=True)]
     return [Image(p) for p in pixels]
+
+
+#: A row's processor outputs that carry its images: the Qwen-VL family's ``pixel_values`` and
+#: ``image_grid_thw``, LLaVA's and Gemma 3's ``pixel_values``, LLaVA-NeXT's with ``image_sizes``.
+IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_sizes")
+#: The Qwen-VL processors' video outputs (any other key naming video is taken as video too).
+VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "video_second_per_grid")
+
+
+def processor_images(
+    outputs: Mapping[str, Any] | None, row: str, field: str, way_out: str, ignored: Collection[str] = ()
+) -> list[Image]:
+    """One row's images from its processor outputs (``{}`` or None: a text row, no images).
+
+    Args:
+        outputs: the row's processor outputs, :data:`IMAGE_KEYS` (as :func:`images_from` takes
+            them); a key whose value is None is absent.
+        row: the row as refusals name it (``"row 3"``); ``field`` the host's name of ``outputs``.
+        way_out: what a refusal offers instead, in the host's words.
+        ignored: further keys the host writes beside the images and no model reads.
+
+    Raises:
+        UnsupportedModelError: for video (:data:`VIDEO_KEYS`, or any key naming video) and for
+            outputs the tree does not know how to place.
+        ValueError: when the grids do not add up to the patches.
+    """
+    present = {k for k, v in (outputs or {}).items() if v is not None}
+    video = sorted(k for k in present if k in VIDEO_KEYS or "video" in k)
+    if video:
+        raise UnsupportedModelError(
+            f"{row} carries video ({', '.join(video)}): forkrl's tree takes images only; {way_out}"
+        )
+    unknown = sorted(present - set(IMAGE_KEYS) - set(ignored))
+    if unknown or (present and "pixel_values" not in present):
+        raise UnsupportedModelError(
+            f"{row}'s {field} holds {sorted(present)}: forkrl's tree takes images as the Qwen-VL, LLaVA(-NeXT) "
+            f"and Gemma 3 processors give them ({', '.join(IMAGE_KEYS)}); {way_out}"
+        )
+    if not present:
+        return []
+    try:
+        return images_from(outputs["pixel_values"], outputs.get("image_grid_thw"), outputs.get("image_sizes"))
+    except ValueError as err:
+        raise ValueError(f"{row}: {err}; {way_out}") from None
 
 
 class VisionBatch:

@@ -64,9 +64,10 @@ import torch.distributed as dist
 from openrlhf.trainer.ray import ppo_actor
 from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
-from forkrl.core import RowLayout, TreeStep, UnsupportedModelError
+from forkrl.core import RowLayout, TreeStep
 from forkrl.core.balance import CostModel, Rebalanced
-from forkrl.core.executor import Image, RouterLoss, images_from
+from forkrl.core.executor import Image, RouterLoss
+from forkrl.core.executor.vision import processor_images
 from forkrl.core.train import (
     AliasReplica,
     HostDefaults,
@@ -98,10 +99,6 @@ __all__ = [
 #: A micro-batch of a window: OpenRLHF's ``Experience`` and its ``loss_batch_info`` (None under dynamic batching).
 MicroBatch = tuple[Any, "dict | None"]
 
-#: Keys of a sample's ``mm_train_inputs`` the tree takes as images: the Qwen-VL family's
-#: ``pixel_values`` ``[patches, d]`` and ``image_grid_thw`` ``[images, 3]``; LLaVA's ``pixel_values``
-#: ``[images, C, H, W]``; LLaVA-NeXT's ``[images, crops, C, H, W]`` with ``image_sizes`` ``[images, 2]``.
-_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_sizes")
 #: The way out named by a refusal of a sample's images.
 _WAY_OUT = "drop --forkrl.tree_packing (and --forkrl.long_context_replay) for this model"
 
@@ -128,25 +125,6 @@ def _samples(mm_train_inputs: Any) -> list:
     return out
 
 
-def _sample_images(i: int, sample: dict) -> list[Image]:
-    """One sample's images from its processor outputs (keys as :data:`_IMAGE_KEYS` says)."""
-    video = sorted(k for k in sample if "video" in k)
-    if video:
-        raise UnsupportedModelError(
-            f"sample {i} carries video ({', '.join(video)}): forkrl's tree takes images only; {_WAY_OUT}"
-        )
-    other = sorted(k for k, v in sample.items() if k not in _IMAGE_KEYS and v is not None)
-    if other or sample.get("pixel_values") is None:
-        raise UnsupportedModelError(
-            f"sample {i}'s mm_train_inputs holds {sorted(sample)}: forkrl's tree takes images as the Qwen-VL, "
-            f"LLaVA(-NeXT) and Gemma 3 processors give them ({', '.join(_IMAGE_KEYS)}); {_WAY_OUT}"
-        )
-    try:
-        return images_from(sample["pixel_values"], sample.get("image_grid_thw"), sample.get("image_sizes"))
-    except ValueError as err:
-        raise ValueError(f"sample {i}: {err}; {_WAY_OUT}") from None
-
-
 def row_images(mm_train_inputs: Sequence | None, rows: int) -> list[list[Image]] | None:
     """Per row, its images from OpenRLHF's per-sample processor outputs; None when no row has any.
 
@@ -167,7 +145,7 @@ def row_images(mm_train_inputs: Sequence | None, rows: int) -> list[list[Image]]
         return None
     if len(samples) != rows:
         raise ValueError(f"mm_train_inputs holds {len(samples)} samples for {rows} rows; {_WAY_OUT}")
-    return [_sample_images(i, sample) if sample else [] for i, sample in enumerate(samples)]
+    return [processor_images(s, f"sample {i}", "mm_train_inputs", _WAY_OUT) for i, s in enumerate(samples)]
 
 
 def ring_share(

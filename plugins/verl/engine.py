@@ -53,7 +53,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from forkrl.core import RowLayout, TreeOptions, UnsupportedModelError
 from forkrl.core.balance import CostModel, Rebalanced
 from forkrl.core.executor import RouterLoss
-from forkrl.core.executor.vision import Image, images_from
+from forkrl.core.executor.vision import Image, processor_images
 from forkrl.core.train import (
     HostDefaults,
     ParallelContext,
@@ -77,13 +77,6 @@ BACKEND = "fsdp2_tree"
 
 #: How a refusal names the way out (replacing the core's host-neutral phrase).
 WAY_OUT = "set forkrl.tree_packing=false for this model (veRL's own engine)"
-
-#: Per-row ``multi_modal_inputs`` keys taken as images; ``images_seqlens`` is veRL's own
-#: per-image token count (derived from the grid), read by none of the supported models' forwards.
-_IMAGE_KEYS = frozenset({"pixel_values", "image_grid_thw", "image_sizes", "images_seqlens"})
-_VIDEO_KEYS = frozenset(
-    {"pixel_values_videos", "video_grid_thw", "second_per_grid_ts", "video_second_per_grid"}
-)
 
 
 # Registered where the class is defined, as veRL registers its own engines: once per process,
@@ -310,30 +303,9 @@ def _is_vlm(module) -> bool:
 
 
 def _row_images(row: dict, index: int) -> list[Image]:
-    """One row's images from its ``multi_modal_inputs``: the Qwen-VL family's ``pixel_values``
-    ``[patches, d]`` split by ``image_grid_thw`` ``[images, 3]`` (``prod(grid)`` patches each);
-    LLaVA's ``[images, C, H, W]`` (LLaVA-NeXT's ``[images, crops, C, H, W]`` with ``image_sizes``
-    ``[images, 2]``). ``{}`` (a text row): no images."""
-    present = {k for k, v in row.items() if v is not None}
-    video = sorted(present & _VIDEO_KEYS)
-    if video:
-        raise UnsupportedModelError(
-            f"row {index} carries video ({', '.join(video)}): forkrl's tree takes images only; {WAY_OUT}"
-        )
-    unknown = sorted(present - _IMAGE_KEYS)
-    if unknown:
-        raise ValueError(
-            f"row {index}'s multi_modal_inputs hold {unknown}, which forkrl's tree engine does not know how to "
-            f"place (it takes {sorted(_IMAGE_KEYS)}): {WAY_OUT}"
-        )
-    if row.get("pixel_values") is None:
-        return []
-    try:
-        return images_from(row["pixel_values"], row.get("image_grid_thw"), row.get("image_sizes"))
-    except ValueError as err:
-        raise ValueError(
-            f"row {index}: {err}: pass each row's processor output unchanged, or {WAY_OUT}"
-        ) from None
+    """One row's images from its ``multi_modal_inputs`` (:func:`~forkrl.core.executor.vision.processor_images`;
+    ``images_seqlens`` is veRL's own per-image token count, read by none of the supported models' forwards)."""
+    return processor_images(row, f"row {index}", "multi_modal_inputs", WAY_OUT, ignored=("images_seqlens",))
 
 
 def _window_images(micro_batches) -> list[list[Image]] | None:

@@ -518,3 +518,36 @@ def test_gemma3_images_attend_both_ways_on_a_tree(mode):
             input_ids=ids, pixel_values=px, token_type_ids=(ids == IMAGE).long(), use_cache=False
         ).logits
     assert not torch.allclose(causal, both)
+
+
+def test_processor_images_reads_a_rows_outputs_and_refuses_what_it_cannot_place():
+    """One row's processor outputs as images: split by the grids, text rows none; video, unknown
+    fields and grids that miss the patches refused with the host's words; a host's own extra key kept out."""
+    from forkrl.core.executor.vision import processor_images
+
+    pixels = torch.randn(24, 6)
+    two = {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, 4, 4], [1, 2, 4]])}
+    got = processor_images(two, "row 0", "inputs", "turn it off")
+    assert [img.grid_thw.tolist() for img in got] == [[1, 4, 4], [1, 2, 4]]
+    assert torch.equal(got[0].pixel_values, pixels[:16]) and torch.equal(got[1].pixel_values, pixels[16:])
+    llava = processor_images({"pixel_values": torch.randn(2, 3, 4, 4)}, "row 0", "inputs", "x")
+    assert [tuple(img.pixel_values.shape) for img in llava] == [(3, 4, 4)] * 2
+    assert processor_images({}, "row 1", "inputs", "x") == []
+    assert processor_images(None, "row 1", "inputs", "x") == []
+    assert processor_images({"pixel_values": None, "video_grid_thw": None}, "row 1", "inputs", "x") == []
+    extra = {**two, "images_seqlens": torch.tensor([4, 2])}
+    assert len(processor_images(extra, "row 0", "inputs", "x", ignored=("images_seqlens",))) == 2
+    with pytest.raises(
+        UnsupportedModelError, match=r"row 2 carries video \(pixel_values_videos, second_per_grid_ts\).*; off"
+    ):
+        processor_images(
+            {**two, "pixel_values_videos": pixels, "second_per_grid_ts": [1.0]}, "row 2", "inputs", "off"
+        )
+    with pytest.raises(UnsupportedModelError, match=r"row 0's inputs holds .*images_seqlens.*; off"):
+        processor_images(extra, "row 0", "inputs", "off")
+    with pytest.raises(UnsupportedModelError, match="pixel_values"):
+        processor_images({"image_grid_thw": two["image_grid_thw"]}, "row 0", "inputs", "off")
+    with pytest.raises(
+        ValueError, match=r"row 0: image_grid_thw .* makes 24 patches but pixel_values has 20; off"
+    ):
+        processor_images({**two, "pixel_values": pixels[:20]}, "row 0", "inputs", "off")
