@@ -4,7 +4,8 @@ Every rank passes the rows it holds (any picklable records: a host keeps its per
 them) and a function giving a row's token sequence; :func:`rebalance` gathers all ranks' rows,
 plans with :func:`~forkrl.core.balance.balance` on the group's first rank, sends the plan to the
 others (each rank's own fitted cost model agrees only up to rounding) and returns the rows this
-rank trains. The host then collates them into its own micro-batches; the update is unchanged
+rank trains. The host then collates them into its own micro-batches (:func:`padded`,
+:func:`prompt_response`: its per-row tensors padded again to the new rows); the update is unchanged
 wherever its loss normalisation does not depend on which rows share a rank or micro-batch (per-row
 terms with equal rows per micro-batch, or global token counts), which the host checks before
 switching balancing on.
@@ -17,13 +18,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from ..tree import PrefixForest
 from .cost import CostModel
 from .plan import balance, evaluate, trees_of_forest
 
-__all__ = ["Rebalanced", "rebalance"]
+__all__ = ["Rebalanced", "padded", "prompt_response", "rebalance"]
 
 R = TypeVar("R")
 
@@ -152,3 +154,33 @@ def _plan(
     if plan.makespan >= before.makespan:  # nothing to gain: keep the rows where they are
         plan = before
     return [list(ids) for ids in plan.ranks], before.makespan, plan.makespan, plan.lower_bound
+
+
+def padded(parts: Sequence[torch.Tensor], width: int, *, left: bool = False, fill: float = 0) -> torch.Tensor:
+    """A per-row field collated again: ``[B, width, ...]`` from rows ``[n_b, ...]`` (``n_b <= width``),
+    each row's entries first (right padding) or, with ``left``, last (left padding); the rest ``fill``."""
+    block = parts[0].new_full((len(parts), width, *parts[0].shape[1:]), fill)
+    for b, p in enumerate(parts):
+        if left:
+            block[b, width - p.shape[0] :] = p
+        else:
+            block[b, : p.shape[0]] = p
+    return block
+
+
+def prompt_response(
+    parts: Sequence[torch.Tensor], prompt_lens: Sequence[int], prompt_width: int, width: int
+) -> torch.Tensor:
+    """Rows laid out ``[left-padded prompt | right-padded response]`` collated again: ``[B, width, ...]``.
+
+    Args:
+        parts: per row ``[n_b, ...]``, its prompt then its response, without left padding.
+        prompt_lens: per row, how many of its entries are prompt: they end at column ``prompt_width``,
+            the rest follow from there (zeros elsewhere).
+        prompt_width: the prompt columns (at least every ``prompt_lens[b]``).
+        width: all columns (at least ``prompt_width`` plus every response).
+    """
+    block = parts[0].new_zeros((len(parts), width, *parts[0].shape[1:]))
+    for b, (p, own) in enumerate(zip(parts, prompt_lens, strict=True)):
+        block[b, prompt_width - own : prompt_width - own + p.shape[0]] = p
+    return block

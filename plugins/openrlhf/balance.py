@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from openrlhf.trainer.ppo_utils.experience import Experience
 
-from forkrl.core.balance import CostModel, Rebalanced, rebalance
+from forkrl.core.balance import CostModel, Rebalanced, padded, prompt_response, rebalance
 
 __all__ = ["balance_window"]
 
@@ -87,18 +87,12 @@ def _collate(rows: list[dict[str, Any]], device) -> Experience:
         if not isinstance(parts[0], torch.Tensor):
             fields[name] = parts
         elif name in _TOKEN_ROWS:
-            out = parts[0].new_zeros(len(rows), width + actions)
-            for b, (r, p) in enumerate(zip(rows, parts, strict=True)):
-                lead = width - r["prompt_columns"]
-                out[b, lead : lead + p.shape[0]] = p
-            fields[name] = out.to(device)
+            own = [r["prompt_columns"] for r in rows]
+            fields[name] = prompt_response(parts, own, width, width + actions).to(device)
         elif parts[0].dim() == 0:
             fields[name] = torch.stack(parts).to(device)
         else:
-            out = parts[0].new_zeros(len(rows), actions, *parts[0].shape[1:])
-            for b, p in enumerate(parts):
-                out[b, : p.shape[0]] = p
-            fields[name] = out.to(device)
+            fields[name] = padded(parts, actions).to(device)
     info = {}
     for key in rows[0]["info"]:
         vals = [r["info"][key] for r in rows]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+from forkrl.core.balance.rules import IMAGES, ROUTER_LOSS, BalanceOption, shared_by
 from forkrl.core.options import add_arguments
 from forkrl.core.speculative import SpeculativeOptions
 from forkrl.core.train import TreeOptions
@@ -25,6 +26,7 @@ from forkrl.plugins.vllm.speculative import check_engine_policy
 from ..models import missing_model, no_such_model
 
 __all__ = [
+    "BALANCE",
     "FLAGS",
     "FLAG_OVERRIDES",
     "FLAG_PREFIX",
@@ -42,6 +44,11 @@ __all__ = [
 ]
 
 FLAG_PREFIX = "--forkrl."
+#: ``--forkrl.tree_balance`` in OpenRLHF's words (core's rule of when rows may move).
+BALANCE = BalanceOption(
+    on="--forkrl.tree_balance on", auto="--forkrl.tree_balance auto", off="--forkrl.tree_balance off"
+)
+_RING = shared_by("a ring-attention group (--ds.ring_attn_size > 1)")
 #: The launcher's name in its usage and error lines.
 PROG = "python -m forkrl.plugins.openrlhf.train_ppo_ray"
 #: Options core defines that OpenRLHF's launcher does not take, and why (the usage error says it).
@@ -146,8 +153,13 @@ def _balance_unsafe(args: Any) -> str | None:
     if bool(_get(args, "train.dynamic_batch_enable", False)):
         return "--train.dynamic_batch_enable gives every rank its own window lengths"
     if float(_get(args, "actor.aux_loss_coef", 0.0) or 0.0) > 0:
-        return "the MoE router load-balancing loss (--actor.aux_loss_coef) averages expert loads over each micro-batch"
+        return f"{ROUTER_LOSS} (--actor.aux_loss_coef > 0)"
     return None
+
+
+def _ring_group(args: Any) -> str | None:
+    """Why a window's rows cannot move under ring attention (None: no ring group)."""
+    return _RING if (_get(args, "ds.ring_attn_size", 1) or 1) > 1 else None
 
 
 def _data_parallel(args: Any) -> int:
@@ -159,10 +171,10 @@ def _data_parallel(args: Any) -> int:
 
 def balance_setting(args: Any, options: ForkrlOptions, world: int, vlm: bool = False) -> bool:
     """Whether each optimizer step's rows are rebalanced over the ``world`` data-parallel ranks
-    (never for a vision-language actor, whose rows would move without their images)."""
-    if (_get(args, "ds.ring_attn_size", 1) or 1) > 1 or vlm:
-        return False  # a ring-attention group shares its micro-batches instead (trainer module)
-    return options.tree_balance != "off" and world > 1 and _balance_unsafe(args) is None
+    (never for a vision-language actor, whose rows would move without their images, nor under ring
+    attention, whose group shares its micro-batches instead: trainer module)."""
+    fixed = IMAGES if vlm else _ring_group(args)
+    return BALANCE.balances(options.tree_balance, world, fixed=fixed, loss=_balance_unsafe(args))
 
 
 def check_host_args(args: Any, options: ForkrlOptions) -> None:
@@ -177,12 +189,6 @@ def check_host_args(args: Any, options: ForkrlOptions) -> None:
         return
     flag = "--forkrl.tree_packing" if options.tree_packing else "--forkrl.long_context_replay"
     refusals = [
-        (
-            (_get(args, "ds.ring_attn_size", 1) or 1) > 1 and options.tree_balance == "on",
-            "--forkrl.tree_balance on moves rows between data-parallel ranks, which a ring-attention group "
-            "(--ds.ring_attn_size > 1) does not do: its ranks share each optimizer step's micro-batches instead; "
-            "use --forkrl.tree_balance auto or off",
-        ),
         (
             (_get(args, "ds.tensor_parallel_size", 1) or 1) > 1,
             "--ds.tensor_parallel_size > 1 (DeepSpeed AutoTP) shards layers across ranks: use --ds.tensor_parallel_size 1",
@@ -201,18 +207,16 @@ def check_host_args(args: Any, options: ForkrlOptions) -> None:
             "--ds.param_dtype fp16 needs DeepSpeed's loss scaling inside every backward, and the tree's backwards run "
             "outside DeepSpeed: use --ds.param_dtype bf16",
         ),
-        (
-            options.tree_balance == "on" and _data_parallel(args) == 1,
-            "--forkrl.tree_balance on balances rows over data-parallel ranks, and this run has one (--actor.num_nodes "
-            "x --actor.num_gpus_per_node over ring and tensor parallelism), so it would have no effect: drop it "
-            "(the default auto balances when there are several)",
-        ),
-        (
-            options.tree_balance == "on" and _balance_unsafe(args) is not None,
-            f"--forkrl.tree_balance on would change the update: {_balance_unsafe(args)}; use --forkrl.tree_balance "
-            "auto (which leaves the rows in place there) or off",
-        ),
     ]
+    counted = "--actor.num_nodes x --actor.num_gpus_per_node over ring and tensor parallelism"
+    balance = BALANCE.refusal(
+        options.tree_balance,
+        _data_parallel(args),
+        fixed=_ring_group(args),
+        loss=_balance_unsafe(args),
+        counted=counted,
+    )
+    refusals.append((balance is not None, balance or ""))
     for refused, why in refusals:
         if refused:
             raise ValueError(f"{flag}: {why}; or train without {flag}")
@@ -268,11 +272,7 @@ def check_vlm_args(args: Any, options: ForkrlOptions) -> None:
             options.tree_mode == "packed",
             "images run on a tree in keep or replay mode: use --forkrl.tree_mode auto, keep or replay",
         ),
-        (
-            options.tree_balance == "on",
-            "--forkrl.tree_balance on would move a vision-language actor's rows between ranks without their images: "
-            "use --forkrl.tree_balance auto (which leaves them in place) or off",
-        ),
+        (options.tree_balance == "on", BALANCE.refusal(options.tree_balance, fixed=IMAGES)),
     ]
     for refused, why in refusals:
         if refused:

@@ -17,9 +17,10 @@ loss normalises every term by mini-batch-global counts (``agg_loss`` with ``dp_s
 gradient, whichever rank holds how many of them (FSDP averages the ranks' gradients, and each
 rank's loss is scaled by ``dp_size``). With a fixed micro-batch size, a rank whose new row count
 is not the old one trains as many micro-batches as before, of nearly equal sizes (veRL's metrics
-aggregate per micro-batch over the ranks; the grouping does not enter these losses). :func:`unsafe_reason` names the losses for which that does not hold (``auto`` leaves
-their rows in place, ``on`` refuses them). The per-micro-batch metrics veRL averages (clip
-fractions, ``ppo_kl``) follow the new grouping; the logged loss does not change.
+aggregate per micro-batch over the ranks; the grouping does not enter these losses). :func:`unsafe_reason` names the losses for which that does not hold;
+when rows move at all is core's rule (:class:`~forkrl.core.balance.rules.BalanceOption`, here
+:data:`OPTION`: ``auto`` leaves such rows in place, ``on`` refuses them). The per-micro-batch metrics
+veRL averages (clip fractions, ``ppo_kl``) follow the new grouping; the logged loss does not change.
 """
 
 from __future__ import annotations
@@ -29,12 +30,20 @@ from typing import Any
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-from forkrl.core.balance import CostModel, Rebalanced, rebalance
+from forkrl.core.balance import BalanceOption, CostModel, Rebalanced, padded, prompt_response, rebalance
 
 from . import compat
 from .compat import ROW_LOCAL_LOSSES
 
-__all__ = ["balance_mini_batch", "unsafe_reason"]
+__all__ = ["OPTION", "balance_mini_batch", "unsafe_reason"]
+
+#: ``forkrl.tree_balance`` in veRL's words (core's rule of when rows may move).
+OPTION = BalanceOption(
+    on="forkrl.tree_balance: on",
+    auto="forkrl.tree_balance: auto",
+    off="forkrl.tree_balance: off",
+    update="veRL's update",
+)
 
 #: Non-tensor fields derived from the batch's padded layout: recomputed for the new rows.
 _LAYOUT_FIELDS = ("max_seq_len", "max_response_len", "indices")
@@ -95,20 +104,9 @@ def _padded(key: str, rows: list[dict[str, Any]], widths: dict[str, int]) -> tor
     """One padded field of ``rows`` at the widths over the ranks (``[B, widths[key], ...]``)."""
     parts = [r[key] for r in rows]
     if key in _LEFT_RIGHT and "prompts" in widths:  # [left-padded prompt | right-padded response]
-        prompt = widths["prompts"]
-        block = parts[0].new_zeros(len(rows), prompt + widths["responses"], *parts[0].shape[1:])
-        for b, (r, p) in enumerate(zip(rows, parts, strict=True)):
-            own = r["prompts"].shape[0]
-            block[b, prompt - own : prompt] = p[:own]
-            block[b, prompt : prompt + p.shape[0] - own] = p[own:]
-        return block
-    block = parts[0].new_zeros(len(rows), widths[key], *parts[0].shape[1:])
-    for b, p in enumerate(parts):
-        if key == "prompts":  # left-padded
-            block[b, widths[key] - p.shape[0] :] = p
-        else:  # right-padded (response-aligned)
-            block[b, : p.shape[0]] = p
-    return block
+        own = [r["prompts"].shape[0] for r in rows]
+        return prompt_response(parts, own, widths["prompts"], widths["prompts"] + widths["responses"])
+    return padded(parts, widths[key], left=key == "prompts")  # prompts left-padded, the rest right
 
 
 def _collate(rows: list[dict[str, Any]], nested: dict[str, bool], widths: dict[str, int]) -> TensorDict:

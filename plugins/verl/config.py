@@ -30,10 +30,11 @@ import torch
 from verl.workers.config import FSDPActorConfig
 
 from forkrl.core import TreeOptions
+from forkrl.core.balance.rules import shared_by
 from forkrl.core.options import changed_fields
 
 from . import announce, register
-from .balance import unsafe_reason
+from .balance import OPTION, unsafe_reason
 from .engine import BACKEND
 
 __all__ = ["ACTOR", "REF", "ForkrlFSDPActorConfig", "tree_options"]
@@ -170,16 +171,11 @@ class ForkrlFSDPActorConfig(FSDPActorConfig):
                 "under FSDP2 the tree step runs on a plain replica of the model's class, which does not carry veRL's "
                 f"PEFT wrapping (nor its adapter switch for reference log-probs); set lora_rank=0, or {_OFF.format(node=ACTOR)}"
             )
-        if (
-            actor_tree
-            and self.forkrl["tree_balance"] == "on"
-            and n_gpus // self.ulysses_sequence_parallel_size < 2
-        ):
-            raise ValueError(
-                f"{ACTOR}.forkrl.tree_balance: on balances rows over data-parallel ranks, and this run has one "
-                f"(trainer.n_gpus_per_node x trainer.nnodes = {n_gpus}), so it would have no effect: drop it (the "
-                "default auto balances when there are several)"
-            )
+        ranks = n_gpus // self.ulysses_sequence_parallel_size
+        counted = f"trainer.n_gpus_per_node x trainer.nnodes = {n_gpus}"
+        refusal = OPTION.refusal(self.forkrl["tree_balance"], ranks, counted=counted) if actor_tree else None
+        if refusal is not None:
+            raise ValueError(f"{ACTOR}.{refusal}")
         if actor_tree and model.get("use_fused_kernels"):
             raise ValueError(
                 "forkrl's tree engine cannot run with actor_rollout_ref.model.use_fused_kernels=True: veRL's fused "
@@ -223,12 +219,15 @@ class ForkrlFSDPActorConfig(FSDPActorConfig):
                 f"forkrl's tree engine runs on veRL's FSDP2 engine; {node}.strategy={self.strategy!r}: set strategy: fsdp2, "
                 f"or {_OFF.format(node=node)}"
             )
-        if options.tree_balance == "on" and self.ulysses_sequence_parallel_size > 1:
-            raise ValueError(
-                "forkrl.tree_balance: on moves rows between data-parallel ranks, which a Ulysses group "
-                f"(ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size}) does not do: its ranks share "
-                "each mini-batch's micro-batches instead; set forkrl.tree_balance: auto or off"
-            )
+        sp = self.ulysses_sequence_parallel_size
+        ulysses = (
+            shared_by(f"a Ulysses group (ulysses_sequence_parallel_size={sp})", "mini-batch")
+            if sp > 1
+            else None
+        )
+        refusal = OPTION.refusal(options.tree_balance, fixed=ulysses, loss=self._balance_unsafe())
+        if refusal is not None:
+            raise ValueError(refusal)
         problems = engine_refusals(
             node,
             param_offload=self.fsdp_config.param_offload,
@@ -251,12 +250,6 @@ class ForkrlFSDPActorConfig(FSDPActorConfig):
                 "student's logits, which the tree does not form; set it to false"
             )
         _refuse(node, problems)
-        unsafe = self._balance_unsafe()
-        if options.tree_balance == "on" and unsafe is not None:
-            raise ValueError(
-                f"forkrl.tree_balance: on would change veRL's update: {unsafe}; set forkrl.tree_balance: off "
-                "(or auto, which leaves such a loss's rows where veRL put them)"
-            )
 
     def _balance_unsafe(self) -> str | None:
         return unsafe_reason(

@@ -52,6 +52,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
 from forkrl.core import RowLayout, TreeOptions, UnsupportedModelError
 from forkrl.core.balance import CostModel, Rebalanced
+from forkrl.core.balance.rules import IMAGES
 from forkrl.core.executor import RouterLoss
 from forkrl.core.executor.vision import Image, processor_images
 from forkrl.core.train import (
@@ -65,7 +66,7 @@ from forkrl.core.train import (
 )
 
 from . import compat
-from .balance import balance_mini_batch
+from .balance import OPTION, balance_mini_batch
 from .ulysses import gather_outputs
 
 __all__ = ["BACKEND", "TreeFSDPEngineWithLMHead", "VeRLHost"]
@@ -191,19 +192,16 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
     def _balancing(self, data) -> bool:
         """Whether this mini-batch's rows are rebalanced over the dp ranks (the same answer on every
         rank: the config, the dp size and the driver's flags are shared)."""
-        if self._tree_options.tree_balance == "off" or self.get_data_parallel_size() < 2:
-            return False
-        if self.ulysses_sequence_parallel_size > 1:
+        choice, ranks = self._tree_options.tree_balance, self.get_data_parallel_size()
+        if choice == "off" or ranks < 2 or self.ulysses_sequence_parallel_size > 1:
             return False  # a Ulysses group shares its micro-batches instead (module ulysses)
-        if _is_vlm(self.module):  # decided by the model, the same on every rank: rows keep their pixels
-            if self._tree_options.tree_balance == "on":
-                raise ValueError(
-                    "tree_balance: on moves rows between ranks, which a vision-language model's rows (with their "
-                    "images in multi_modal_inputs) are not: set forkrl.tree_balance=auto (rows stay in place) or off"
-                )
+        # Decided by the model, the same on every rank (the config refuses "on" with the others first).
+        fixed = IMAGES if _is_vlm(self.module) else None
+        if fixed is not None and choice == "on":
+            raise ValueError(OPTION.refusal(choice, fixed=fixed))
+        loss = getattr(self.engine_config, "forkrl_balance_unsafe", None)
+        if not OPTION.balances(choice, ranks, fixed=fixed, loss=loss):
             return False
-        if getattr(self.engine_config, "forkrl_balance_unsafe", None) is not None:
-            return False  # the loss depends on the rows' grouping (refused at config time under "on")
         return not compat.non_tensor(data, "return_model_output", False)  # per-row outputs stay on their rank
 
     def _refuse_on_every_rank(self, data) -> None:

@@ -265,3 +265,51 @@ def test_ranks_follow_one_plan_whatever_their_cost_models():
         ids = sorted(i for plan in parts for i in plan["ids"])
         assert ids == list(range(16)), (equal_rows, parts)  # every row once
         assert parts[0]["figures"] == parts[1]["figures"], parts  # the same figures on every rank
+
+
+def test_balance_option_decides_and_refuses_as_each_host_spells_it():
+    """``tree_balance``'s rule (:mod:`forkrl.core.balance.rules`): auto and on balance over several
+    ranks unless the rows cannot move or the loss reads a micro-batch; on is refused there and with
+    one rank, in the host's words; off never balances and is never refused."""
+    from forkrl.core.balance.rules import IMAGES, ROUTER_LOSS, BalanceOption, shared_by
+
+    option = BalanceOption(on="tb=on", auto="tb=auto", off="tb=off", update="Host's update")
+    group = shared_by("a ring group", "mini-batch")
+    for choice in ("auto", "on"):
+        assert option.balances(choice, 2)
+        assert not option.balances(choice, 1)
+        assert not option.balances(choice, 4, fixed=IMAGES)
+        assert not option.balances(choice, 4, loss=ROUTER_LOSS)
+    assert not option.balances("off", 4)
+    for choice in ("auto", "off"):
+        assert option.refusal(choice, 1, fixed=group, loss=ROUTER_LOSS) is None
+    assert option.refusal("on", 2) is None and option.refusal("on") is None
+    assert option.refusal("on", 1, counted="2 GPUs / 2") == (
+        "tb=on balances rows over data-parallel ranks, and this run has one (2 GPUs / 2), so it would have no "
+        "effect: drop it (the default auto balances when there are several)"
+    )
+    # rows that cannot move are named first, then one rank, then the loss
+    assert option.refusal("on", 1, fixed=group, loss=ROUTER_LOSS) == (
+        "tb=on moves rows between data-parallel ranks, which a ring group does not do: its ranks share each "
+        "mini-batch's micro-batches instead; use tb=auto (which leaves the rows in place) or tb=off"
+    )
+    assert "without their images" in option.refusal("on", fixed=IMAGES)
+    assert option.refusal("on", 2, loss=ROUTER_LOSS) == (
+        f"tb=on would change Host's update: {ROUTER_LOSS}; use tb=off (or tb=auto, which leaves the rows in "
+        "place for such a loss)"
+    )
+
+
+def test_moved_rows_are_padded_again_as_the_hosts_lay_them_out():
+    """:func:`padded` and :func:`prompt_response`: rows without their padding collated into the
+    hosts' layouts (right- or left-padded fields; ``[left-padded prompt | right-padded response]``)."""
+    from forkrl.core.balance import padded, prompt_response
+
+    rows = [torch.tensor([1, 2, 3]), torch.tensor([4])]
+    assert padded(rows, 4).tolist() == [[1, 2, 3, 0], [4, 0, 0, 0]]
+    assert padded(rows, 3, left=True, fill=9).tolist() == [[1, 2, 3], [9, 9, 4]]
+    wide = [torch.ones(2, 2), torch.ones(1, 2)]
+    assert padded(wide, 2).shape == (2, 2, 2) and padded(wide, 2)[1, 1].tolist() == [0.0, 0.0]
+    # prompts [1, 2] and [4]; responses [3] and [5, 6]: two prompt columns, four in all
+    joined = prompt_response([torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6])], [2, 1], 2, 4)
+    assert joined.tolist() == [[1, 2, 3, 0], [0, 4, 5, 6]]
