@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from forkrl.core import TreeOptions
+from forkrl.core.train import GroupedRanksOptions
 from forkrl.core.options import OptionDoc, format_value, markdown_table, option_docs
 from forkrl.core.speculative import SpeculativeOptions
 from forkrl.plugins.openrlhf.options import FLAG_OVERRIDES, FLAG_PREFIX, FLAGS, ForkrlOptions
@@ -33,7 +34,7 @@ VERL_BASE = ROOT / "plugins/verl/hydra-config/include/forkrl_base.yaml"
 
 
 def _trl() -> str:
-    docs = option_docs(TreeOptions) + option_docs(SpeculativeOptions)
+    docs = option_docs(TreeOptions) + option_docs(GroupedRanksOptions) + option_docs(SpeculativeOptions)
     return markdown_table(docs, key="{name}", style="python")
 
 

@@ -1,8 +1,8 @@
 """A forest's long prompts split over a context-parallel group, behind :class:`TreeExecutor`'s API.
 
 Every rank of the group holds the same forest (a host's sequence-parallel group hands its ranks the
-same rows). Each tree is one prompt and its responses: the prompt (the tree's shared tokens before
-its first scored one) is sharded over the group by :class:`ContextParallelReplay`; the responses are
+same rows). Each prompt and its responses run as one unit (:meth:`ContextParallelExecutor._trees`):
+the prompt (the shared tokens before its sequences' first scored ones) is sharded over the group by :class:`ContextParallelReplay`; the responses are
 dealt to the ranks by length (each computes its own, attending to every shard). The per-sequence
 results are then summed over the group (each value comes from one rank, the others add zeros), so
 every rank returns every sequence's log-probs, as a :class:`TreeExecutor` on one device would.
@@ -10,6 +10,13 @@ every rank returns every sequence's log-probs, as a :class:`TreeExecutor` on one
 :meth:`backward` accumulates the gradient of the whole forest into ``param.grad``: with
 ``reduce_grads`` on every rank holds all of it (the group's shares summed once per call); off, each
 rank holds its own share, for a host whose own gradient reduction sums over the group.
+
+Ranks that hold different rows (``rows="own"``: TRL's data-parallel ranks grouped, each with its
+own rollouts) train the union of the group's rows, gathered by the caller
+(:class:`forkrl.core.train.union.GroupRows`). Each rank's loss gives coefficients for its own rows
+only (zeros elsewhere); :meth:`combine` sums them over the group, so every rank replays with the
+whole union's, and each rank keeps its share of the gradient: the data-parallel average over the
+world (DDP's, or an engine's) then equals the average of every rank's own-rows gradient, stock's.
 
 Not here (refused with the alternative): token-local coefficients (the caller scores first, as
 :func:`forkrl.core.objective.backward_window`'s general path does), MoE router losses and images.
@@ -39,6 +46,9 @@ class ContextParallelExecutor:
         group: the process group the prompts are split over (None: the world).
         block_size, prompt_grad, temperature, schedule: as :class:`ContextParallelReplay`.
         reduce_grads: sum the forest's gradient over the group (module docstring).
+        rows: ``"shared"``: the group's ranks hold the same rows; ``"own"``: each its own, the
+            forest is their union and :meth:`combine` sums the coefficients (then the gradient is
+            never summed here: each rank keeps its share).
     """
 
     def __init__(
@@ -50,12 +60,16 @@ class ContextParallelExecutor:
         temperature: float = 1.0,
         schedule: str = "parallel",
         reduce_grads: bool = True,
+        rows: str = "shared",
     ) -> None:
+        if rows not in ("shared", "own"):
+            raise ValueError(f"rows={rows!r} must be 'shared' or 'own'")
         self.replay = ContextParallelReplay(
             model, group, block_size, prompt_grad, temperature, reduce_grads=False, schedule=schedule
         )
         self.group = group
-        self.reduce_grads = reduce_grads
+        self.rows = rows
+        self.reduce_grads = reduce_grads and rows == "shared"
 
     @property
     def device(self) -> torch.device:
@@ -78,6 +92,28 @@ class ContextParallelExecutor:
                 "with long_context_replay on one device (no context-parallel group)"
             )
         yield
+
+    def combine(
+        self, losses: Sequence[torch.Tensor], g_lp: list[torch.Tensor], g_ent: list[torch.Tensor] | None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """The coefficients :meth:`backward` takes, from this rank's loss gradient (per micro-batch
+        ``[N_i]`` tensors, :func:`~forkrl.core.objective.backward_window`'s): as they are with
+        ``rows="shared"``; with ``"own"`` summed over the group (each rank's are zero at the other
+        ranks' rows), entropies None when no rank's loss reads them, and a non-finite loss on any
+        rank turned into NaN coefficients on every rank, so that every rank refuses the step
+        together (before its first pass)."""
+        if self.rows == "shared":
+            return g_lp, g_ent
+        sizes = [len(g) for g in g_lp]
+        ent = g_ent if g_ent is not None else [torch.zeros_like(g) for g in g_lp]
+        finite = bool(torch.isfinite(torch.stack([x.detach().float() for x in losses]).sum()))
+        flag = torch.zeros(1, dtype=g_lp[0].dtype, device=g_lp[0].device) + (0.0 if finite else float("nan"))
+        flat = torch.cat([flag, *g_lp, *ent])  # [1 + 2N]
+        dist.all_reduce(flat, group=self.group)
+        flat = flat[1:] + flat[:1]  # NaN everywhere when any rank's loss was not finite
+        total = sum(sizes)
+        lp, en = flat[:total].split(sizes), flat[total:].split(sizes)
+        return list(lp), (list(en) if bool((flat[total:] != 0).any()) else None)
 
     def score(self, forest: PrefixForest, entropy: bool = False, router=None, vision=None) -> ScoreResult:
         """Every sequence's log-probs (and entropies) of ``forest``, without grad, on every rank."""
@@ -127,14 +163,27 @@ class ContextParallelExecutor:
             raise ValueError("context-parallel long-context replay does not take images (see images())")
 
     def _trees(self, forest: PrefixForest) -> list[tuple[torch.Tensor, list[int], int]]:
-        """Per tree: its prompt tokens, its sequences, and the prompt's length."""
-        by_root: dict[int, list[int]] = {}
+        """Per prompt: its tokens, its sequences, and its length.
+
+        A sequence's prompt ends at the deepest node of its path that lies wholly before its first
+        scored token; a sequence whose such node lies below another's shares that one's prompt (a
+        late-scored response). Distinct prompts that share only a head (a chat template's system
+        turn, one forest of several ranks' rows) stay distinct: each is split over the group whole,
+        and the head is computed once per prompt.
+        """
+        keys: dict[int, int] = {}
         for s, path in enumerate(forest.paths):
-            by_root.setdefault(path[0], []).append(s)
+            unscored = [n for n in path if forest.nodes[n].end <= forest.score_from[s]]
+            keys[s] = unscored[-1] if unscored else path[0]
+        chosen = set(keys.values())
+        by_key: dict[int, list[int]] = {}
+        for s, path in enumerate(forest.paths):
+            key = next(n for n in path if n in chosen)  # the shallowest prompt on the path
+            by_key.setdefault(key, []).append(s)
         trees = []
-        for root, seqs in by_root.items():
-            length = min([len(forest.nodes[root].tokens)] + [forest.score_from[s] for s in seqs])
-            trees.append((forest.nodes[root].tokens[:length], seqs, length))
+        for key, seqs in by_key.items():
+            length = min([forest.nodes[key].end] + [forest.score_from[s] for s in seqs])
+            trees.append((forest.sequence_tokens(seqs[0])[:length], seqs, length))
         return trees
 
     def _deal(self, seqs: list[int], forest: PrefixForest, length: int) -> list[int]:

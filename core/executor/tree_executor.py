@@ -218,6 +218,13 @@ class TreeExecutor:
         lp, ent = self._run(forest, grad=False, entropy=entropy, coef=None, router=router, vision=vision)
         return self._result(forest, lp, ent)
 
+    def combine(
+        self, losses: Sequence[torch.Tensor], g_lp: list[torch.Tensor], g_ent: list[torch.Tensor] | None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """The coefficients :meth:`backward` takes from the loss gradient: this rank's own, as they
+        are (a context-parallel group's ranks combine theirs: :class:`ContextParallelExecutor`)."""
+        return g_lp, g_ent
+
     def backward(
         self,
         forest: PrefixForest,

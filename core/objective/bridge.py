@@ -170,6 +170,7 @@ def backward_window(
     lp = [t.to(device) for t in window.flat(res.logprobs)]
     ent = [t.to(device) for t in window.flat(res.entropies)] if entropy else None
     losses, g_lp, g_ent = gradient(window, loss_fn, lp, ent)
+    g_lp, g_ent = executor.combine(losses, g_lp, g_ent)
     check_finite(losses, g_lp, g_ent)
     g_ent = _nonzero(g_ent)
     start = time.perf_counter()

@@ -14,7 +14,14 @@ from typing import ClassVar, Literal, get_args
 from ..executor import ExecMode, PromptGrad
 from ..options import changed_fields, check_fields, option
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_REPLAY_THRESHOLD", "TREE_MODES", "TreeMode", "TreeOptions"]
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_REPLAY_THRESHOLD",
+    "TREE_MODES",
+    "GroupedRanksOptions",
+    "TreeMode",
+    "TreeOptions",
+]
 
 TreeMode = Literal["auto", ExecMode]
 TREE_MODES: tuple[str, ...] = get_args(TreeMode)
@@ -168,3 +175,36 @@ class TreeOptions:
             "block_size": self.replay_block_size if replay else self.tree_block_size,
             "prompt_grad": self.long_context_prompt_grad if replay else "exact",
         }
+
+
+@dataclass
+class GroupedRanksOptions:
+    """The option of a host whose data-parallel ranks each hold their own rows and may be grouped to
+    split long prompts between them (TRL: accelerate's processes). veRL and OpenRLHF split prompts
+    over their own sequence-parallel groups instead (``ulysses_sequence_parallel_size``,
+    ``--ds.ring_attn_size``), whose ranks hold the same rows.
+    """
+
+    long_context_cp_size: int = option(
+        1,
+        "With long_context_replay: split each long prompt's cache over groups of this many consecutive processes "
+        "(context parallelism), which train the union of their rows together, so the longest prompt is a group's, "
+        "not one device's, and the group computes its chunks at once. Must divide the number of processes. The "
+        "update is the host's own (each process keeps its own loss and rows).",
+    )
+
+    def validate_grouped_ranks(self) -> None:
+        """Raises ValueError naming ``long_context_cp_size``'s rule and the fix."""
+        size = self.long_context_cp_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"long_context_cp_size={size!r} must be a positive integer (1: no splitting)")
+        if size > 1 and not getattr(self, "long_context_replay", False):
+            raise ValueError(
+                f"long_context_cp_size={size} splits prompts in long-context replay: set long_context_replay=True, "
+                "or drop long_context_cp_size"
+            )
+        if size > 1 and getattr(self, "tree_balance", "auto") == "on":
+            raise ValueError(
+                f"tree_balance='on' moves rows between processes, and long_context_cp_size={size} trains each "
+                "group's rows together where they are: set tree_balance='auto' (off under context parallelism)"
+            )

@@ -50,6 +50,11 @@ class ParallelContext:
             each prompt between them (:class:`~forkrl.core.executor.cp_executor.ContextParallelExecutor`:
             a host's sequence-parallel group); every rank ends with the whole step's gradient, as
             if it had run the rows alone. None: each rank runs its rows by itself.
+        context_parallel_rows: ``"shared"``: the ``context_parallel`` ranks hold the same rows (a
+            sequence-parallel group); ``"own"``: each holds its own (data-parallel ranks grouped,
+            TRL), and the step trains the group's union (:class:`~forkrl.core.train.union.GroupRows`),
+            each rank keeping its own rows' losses and values and its share of the gradient, which
+            the data-parallel average over ``group`` (``average_gradients`` or the engine's) completes.
     """
 
     device: torch.device | str | None = None
@@ -60,6 +65,7 @@ class ParallelContext:
     metrics_group: Any = None
     local_metrics: bool = False
     context_parallel: Any = None
+    context_parallel_rows: str = "shared"
 
     @property
     def ranks(self) -> int:

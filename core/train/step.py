@@ -24,7 +24,7 @@ import contextlib
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -36,6 +36,7 @@ from .distributed import all_ok, all_reduce_gradients, reduce_stats
 from .options import TreeOptions
 from .parallel import ParallelContext
 from .sharded import AliasReplica, FSDP2Replica, Gather, is_fsdp2, is_zero3
+from .union import GroupRows
 
 __all__ = ["MODE_CODES", "Images", "StepInputs", "StepLoss", "StepMetrics", "StepResult", "TreeStep"]
 
@@ -188,20 +189,46 @@ class TreeStep:
         """The executor for ``model`` (the unwrapped module) in ``mode``, built once; with
         ``long_context_replay`` and a ``parallel.context_parallel`` group, the prompts are split
         over that group (:class:`ContextParallelExecutor`)."""
-        group = (
-            parallel.context_parallel if parallel is not None and self.options.long_context_replay else None
-        )
-        key = (id(model), mode, id(group) if group is not None else None)
+        group = self._group(parallel)
+        rows = parallel.context_parallel_rows if group is not None else None
+        key = (id(model), mode, id(group) if group is not None else None, rows)
         entry = self._executors.get(key)
         if entry is None or entry[0]() is not model:
             kwargs = {**self.options.executor_kwargs(mode), **self.executor_kwargs}
             if group is not None:
                 kwargs = {k: kwargs[k] for k in ("block_size", "prompt_grad")}
-                built = ContextParallelExecutor(model, group, temperature=self.temperature, **kwargs)
+                built = ContextParallelExecutor(
+                    model, group, temperature=self.temperature, rows=rows, **kwargs
+                )
             else:
                 built = TreeExecutor(model, temperature=self.temperature, **kwargs)
             entry = self._executors[key] = (weakref.ref(model), built)
         return entry[1]
+
+    def _group(self, parallel: ParallelContext | None):
+        """The context-parallel group prompts are split over (None: each rank alone)."""
+        return (
+            parallel.context_parallel if parallel is not None and self.options.long_context_replay else None
+        )
+
+    def _union(self, layouts: Sequence[RowLayout], parallel: ParallelContext | None) -> GroupRows | None:
+        """The group's union of micro-batches where its ranks hold their own rows (one collective)."""
+        group = self._group(parallel)
+        if group is None or parallel.context_parallel_rows != "own":
+            return None
+        return GroupRows.gather(layouts, group)
+
+    def _path(self, gradient: LossGradient, parallel: ParallelContext) -> LossGradient:
+        """The bridge's path for a loss whose gradient is ``gradient``."""
+        if gradient == "constant" and not self.fused_ok:
+            return "general"
+        if self._group(parallel) is None:
+            return gradient
+        if gradient == "token_local":
+            return "general"  # coefficients formed during the pass need one device's pass: score first
+        if gradient == "constant" and parallel.context_parallel_rows == "own":
+            return "general"  # each rank probes its own loss: one path for all needs no probe
+        return gradient
 
     def check_model(self, model: nn.Module, parallel: ParallelContext | None = None) -> None:
         """Raise :class:`~forkrl.core.UnsupportedModelError` now for a model no tree can run (with
@@ -295,6 +322,9 @@ class TreeStep:
         """
         start = time.perf_counter()
         window = window if isinstance(window, Window) else Window(window)
+        union = self._union(window.layouts, parallel)
+        if union is not None:
+            window = union.window
         replica = self._replica(model)
         with replica.gathered(grad=False) if replica is not None else contextlib.nullcontext(model) as target:
             executor = self.executor(target, self.score_mode, parallel)
@@ -307,7 +337,7 @@ class TreeStep:
         for lay, lp, ent in zip(window.layouts, lps, ents, strict=True):
             out.append((lay.to_host(lp.to(device)), lay.to_host(ent.to(device)) if ent is not None else None))
         self._score_time += time.perf_counter() - start
-        return out
+        return union.own(out) if union is not None else out
 
     def train(
         self,
@@ -335,18 +365,16 @@ class TreeStep:
         inputs = inputs if isinstance(inputs, StepInputs) else StepInputs(inputs)
         loss = loss if isinstance(loss, StepLoss) else StepLoss(loss)
         parallel = parallel or ParallelContext()
+        union = self._union(inputs.layouts.layouts, parallel)
+        if union is not None:
+            inputs = replace(inputs, window=union.window)
+            loss = replace(loss, fn=union.loss(loss.fn))
         window, router = inputs.layouts, inputs.router
         forest = window.forest() if inputs.images is None else None  # with images: built once prepared
         if router is not None and forest is not None:
             router.bind(forest, window.rows)
         mode = self.options.mode_for(max(map(len, window.sequences)), gradient_checkpointing)
-        path = "general" if loss.gradient == "constant" and not self.fused_ok else loss.gradient
-        if (
-            path == "token_local"
-            and parallel.context_parallel is not None
-            and self.options.long_context_replay
-        ):
-            path = "general"  # coefficients formed during the pass need one device's pass: score first
+        path = self._path(loss.gradient, parallel)
         replica = self._replica(model)
         if isinstance(replica, AliasReplica):
             raise ValueError(
@@ -396,8 +424,13 @@ class TreeStep:
         if parallel.average_gradients and replica is None:
             all_reduce_gradients(model.parameters(), group=parallel.group)
         score_time, self._score_time = self._score_time + res.score_time, 0.0
-        metrics = StepMetrics(forest.unique_tokens, forest.dense_tokens, mode, res.backward_time, score_time)
-        return StepResult(res.losses, metrics, forest, res)
+        losses, share = res.losses, 1
+        if union is not None:  # this rank's losses; its share of the union's tokens, so that ranks sum
+            losses, share = union.own(res.losses), union.ranks
+        metrics = StepMetrics(
+            forest.unique_tokens / share, forest.dense_tokens / share, mode, res.backward_time, score_time
+        )
+        return StepResult(losses, metrics, forest, res)
 
 
 def _forest(model: nn.Module, inputs: StepInputs, grad: bool):

@@ -19,14 +19,14 @@ from trl import GRPOConfig as _TRLGRPOConfig
 from trl import RLOOConfig as _TRLRLOOConfig
 
 from forkrl.core.speculative import SpeculativeOptions
-from forkrl.core.train import TreeOptions
+from forkrl.core.train import GroupedRanksOptions, TreeOptions
 from forkrl.plugins.vllm.speculative import check_engine_policy
 
 __all__ = ["FORKRL_FIELDS", "ForkrlOptions", "GRPOConfig", "RLOOConfig"]
 
 
 @dataclass
-class ForkrlOptions(TreeOptions, SpeculativeOptions):
+class ForkrlOptions(TreeOptions, GroupedRanksOptions, SpeculativeOptions):
     """forkrl's fields, shared by the GRPO and RLOO configs (core's option classes, combined)."""
 
     def __post_init__(self) -> None:  # the host config's own __post_init__ validates
@@ -39,6 +39,7 @@ class ForkrlOptions(TreeOptions, SpeculativeOptions):
             ValueError: naming the option, the rule and the fix.
         """
         self.validate_tree_options()
+        self.validate_grouped_ranks()
         self.validate_speculative_options()
         if self.tree_enabled:
             self._validate_tree_host()

@@ -16,6 +16,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from forkrl.core import RowLayout
 from forkrl.core.balance import CostModel, Rebalanced
@@ -122,6 +123,25 @@ class LeafModel:
         return getattr(self.model, name)
 
 
+def context_parallel_group(size: int) -> Any:
+    """This process's group of ``size`` consecutive processes (every process builds every group, as
+    ``new_group`` requires), or None for ``size`` 1.
+
+    Raises:
+        ValueError: when ``size`` does not divide the number of processes.
+    """
+    if size == 1:
+        return None
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world % size:
+        raise ValueError(
+            f"long_context_cp_size={size} must divide the number of processes ({world}): launch a multiple of "
+            f"{size} processes (accelerate launch --num_processes), or change long_context_cp_size"
+        )
+    groups = [dist.new_group(list(range(first, first + size))) for first in range(0, world, size)]
+    return groups[dist.get_rank() // size]
+
+
 class TRLHost(HostDefaults[MicroBatch]):
     """A TRL trainer's :class:`~forkrl.core.train.HostAdapter` (module docstring); the
     :class:`~forkrl.core.train.HostDefaults` it inherits answer :meth:`balancing`.
@@ -131,6 +151,9 @@ class TRLHost(HostDefaults[MicroBatch]):
         model: the model the window's ``training_step`` calls received (handed to TRL's loss).
         balance: rows move between the ranks (decided once at setup: ``tree_balance``).
         engine: DeepSpeed trains the model (the step's gradient is handed to its engine).
+        context_parallel: with ``long_context_cp_size`` C > 1, this process's group of C
+            consecutive processes, which split long prompts and train their rows' union
+            (:class:`~forkrl.core.train.GroupRows`); None otherwise.
     """
 
     def __init__(self, trainer: TreeTrainingMixin) -> None:
@@ -138,6 +161,7 @@ class TRLHost(HostDefaults[MicroBatch]):
         self.window: list[MicroBatch] = []
         self.model: Any = None
         self.engine = bool(getattr(trainer, "is_deepspeed_enabled", False))
+        self.context_parallel = context_parallel_group(trainer.args.long_context_cp_size)
 
     def parallel(self) -> ParallelContext:
         several = self.trainer.accelerator.num_processes > 1
@@ -145,6 +169,8 @@ class TRLHost(HostDefaults[MicroBatch]):
             self.trainer.accelerator.device,
             average_gradients=several and not self.engine,  # DDP: the tree runs on the unwrapped module
             lockstep=several and self.engine,  # the engine reduces after the step
+            context_parallel=self.context_parallel,
+            context_parallel_rows="own",  # each process its own rollouts
         )
 
     def rebalance(self, window: Sequence[MicroBatch], cost: CostModel) -> tuple[list[MicroBatch], Rebalanced]:

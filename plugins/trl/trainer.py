@@ -139,6 +139,7 @@ class TreeTrainingMixin:
                 "tree_packing/long_context_replay support FSDP2 only, and this trainer built FSDP1: set fsdp_version: 2 "
                 "in your accelerate config (or fsdp_config={'version': 2, ...}), or turn tree training off"
             )
+        self._check_context_parallel()
         self.forkrl.check_model(model, "turn tree_packing off", vision=self._is_vlm)
         base = getattr(model, "get_base_model", lambda: model)()
         if getattr(getattr(base, "config", None), "position_embedding_type", None) == "absolute" or any(
@@ -158,6 +159,34 @@ class TreeTrainingMixin:
                 self.args.replay_block_size,
             )
 
+    def _check_context_parallel(self) -> None:
+        """``long_context_cp_size`` > 1: refuse what a group of processes cannot split, at setup."""
+        size = self.args.long_context_cp_size
+        if size == 1:
+            return
+        engine = (
+            "DeepSpeed"
+            if getattr(self, "is_deepspeed_enabled", False)
+            else "FSDP"
+            if getattr(self, "is_fsdp_enabled", False)
+            else None
+        )
+        why = (
+            f"{engine} (tested under DDP only)"
+            if engine
+            else "a vision-language model's images"
+            if self._is_vlm
+            else "a router aux loss (output_router_logits)"
+            if self.aux_loss_enabled
+            else None
+        )
+        if why is not None:
+            raise ValueError(
+                f"long_context_cp_size={size} cannot split prompts with {why}: launch with plain DDP (accelerate "
+                "launch without a DeepSpeed/FSDP config) and a text model without a router loss, or set "
+                "long_context_cp_size=1 (long_context_replay still runs each prompt on one device)"
+            )
+
     def _balance_setting(self) -> bool:
         """Whether each step's rows are rebalanced over the data-parallel ranks (``tree_balance``)."""
         choice = self.args.tree_balance
@@ -166,8 +195,8 @@ class TreeTrainingMixin:
                 "tree_balance='on' balances rows over data-parallel ranks, and this run has one process, so it "
                 "would have no effect: drop it (the default 'auto' balances when launched on several processes)"
             )
-        if choice == "off" or self.accelerator.num_processes == 1:
-            return False
+        if choice == "off" or self.accelerator.num_processes == 1 or self.args.long_context_cp_size > 1:
+            return False  # a context-parallel group trains its rows where they are
         # Decided once, the same on every rank (the balancer is a collective): a vision-language
         # model's rows would move without their pixels.
         why = (
@@ -217,6 +246,7 @@ class TreeTrainingMixin:
                     entropy=compute_entropy,
                     images=row_images(kwargs, input_ids.shape[0]),
                     token_types=row_types(kwargs, attention_mask),
+                    parallel=self.forkrl.host.parallel(),  # long_context_cp_size: scored by the group
                 )
             return lp.to(input_ids.device), (ent.to(input_ids.device) if ent is not None else None), None
         return super()._get_per_token_logps_and_entropies(

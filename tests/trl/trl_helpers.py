@@ -160,9 +160,10 @@ def train_rloo(model_path: str, out: Path, forkrl: bool, **kw: Any) -> tuple[dic
 
     from forkrl.plugins import trl as ftrl
 
+    tree = {k: kw.pop(k) for k in list(kw) if k.startswith("tree_") or k.startswith("long_context")}
     args = base_args(out, max_completion_length=10, **kw)
     if forkrl:
-        args, cls = ftrl.RLOOConfig(**args, tree_packing=True), ftrl.RLOOTrainer
+        args, cls = ftrl.RLOOConfig(**args, **{"tree_packing": True, **tree}), ftrl.RLOOTrainer
     else:
         args, cls = trl.RLOOConfig(**args), trl.RLOOTrainer
     trainer = cls(model=model_path, reward_funcs=letter_reward, args=args, train_dataset=prompt_dataset())
