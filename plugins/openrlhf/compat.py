@@ -11,7 +11,6 @@ so an upgrade that changes one fails in one test with the entry's name.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 
 from forkrl.core.compat import Private, parameter_names
+from forkrl.core.compat.probes import reads, takes
 
 __all__ = [
     "CHECKED",
@@ -180,61 +180,53 @@ def ring_attention_off() -> Iterator[None]:
 def _swaps() -> None:
     import importlib
 
-    src = inspect.getsource(importlib.import_module("openrlhf.cli.train_ppo_ray"))
+    src = reads(
+        importlib.import_module("openrlhf.cli.train_ppo_ray"),
+        "from openrlhf.utils import get_strategy",
+        "from openrlhf.trainer.ray.ppo_actor import PolicyModelActor",
+        "ReferenceModelActor,",
+        "from openrlhf.utils.config import hierarchize",
+        "args = hierarchize(args)",
+    )
     train = src[src.index("def train(args):") :]
     assert (
         train.index("ray.is_initialized()")
         < train.index("get_strategy(args)")
         < train.index("RayActorGroup(")
     )
-    for needle in (
-        "from openrlhf.utils import get_strategy",
-        "from openrlhf.trainer.ray.ppo_actor import PolicyModelActor",
-        "ReferenceModelActor,",
-        "from openrlhf.utils.config import hierarchize",
-        "args = hierarchize(args)",
-    ):
-        assert needle in src, needle
     from openrlhf.trainer.ray import vllm_engine
 
-    engines = inspect.getsource(vllm_engine.create_vllm_engines)
-    assert "RolloutRayActor.options(" in engines and ".remote(**actor_kwargs)" in engines
-    assert '"model": pretrain' in engines and '"tensor_parallel_size": tensor_parallel_size' in engines
-    assert "vllm.AsyncEngineArgs(*args, **self.kwargs)" in inspect.getsource(
-        vllm_engine.RolloutRayActor.__ray_actor_class__
+    reads(
+        vllm_engine.create_vllm_engines,
+        *("RolloutRayActor.options(", ".remote(**actor_kwargs)", '"model": pretrain'),
+        '"tensor_parallel_size": tensor_parallel_size',
     )
+    reads(vllm_engine.RolloutRayActor.__ray_actor_class__, "vllm.AsyncEngineArgs(*args, **self.kwargs)")
     from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
-    init = inspect.getsource(PolicyModelActor.__ray_actor_class__.init_model_from_pretrained)
-    assert "self.trainer = ActorPPOTrainer(" in init
+    reads(PolicyModelActor.__ray_actor_class__.init_model_from_pretrained, "self.trainer = ActorPPOTrainer(")
 
 
 def _window() -> None:
     from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
-    src = inspect.getsource(ActorPPOTrainer.ppo_train)
-    for needle in (
-        "iter_grad_accum_global_norm(",
-        "self.strategy.accumulated_gradient",
+    reads(
+        ActorPPOTrainer.ppo_train,
+        *("iter_grad_accum_global_norm(", "self.strategy.accumulated_gradient"),
         "self.training_step(experience, kl_ctl, step, loss_batch_info)",
         "((exp, None) for exp in pbar)",
-    ):
-        assert needle in src, needle
+    )
 
 
 def _training_step() -> None:
     from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
-    assert parameter_names(ActorPPOTrainer.training_step) == [
-        "self",
-        "experience",
-        "kl_ctl",
-        "step",
-        "loss_batch_info",
-    ]
-    src = inspect.getsource(ActorPPOTrainer.training_step)
+    takes(
+        ActorPPOTrainer.training_step, "self", "experience", "kl_ctl", "step", "loss_batch_info", exact=True
+    )
     # The loss half reads the actor once and hands the loss to strategy.backward; the tail steps.
-    for needle in (
+    reads(
+        ActorPPOTrainer.training_step,
         "self.actor(",
         "self.strategy.backward(loss, self.actor, self.actor_optim)",
         "self.strategy.optimizer_step(self.actor_optim, self.actor, self.actor_scheduler",
@@ -247,48 +239,35 @@ def _training_step() -> None:
         # weighted the same way by the plugin (TreeActorPPOTrainer._router_weight).
         "aux_loss = output.aux_loss * self.args.actor.aux_loss_coef",
         "aux_loss = aux_loss * self.replay_buffer.dynamic_sample_loss_scale[step]",
-    ):
-        assert needle in src, needle
-    init = inspect.getsource(ActorPPOTrainer.__init__)
-    assert "self.aux_loss = self.args.actor.aux_loss_coef > 1e-8" in init
+    )
+    reads(ActorPPOTrainer.__init__, "self.aux_loss = self.args.actor.aux_loss_coef > 1e-8")
 
 
 def _actor_layout() -> None:
     from openrlhf.models import Actor
 
-    src = inspect.getsource(Actor.forward)
     # Positions count real tokens from 0; log-probs over the last num_actions columns, masked.
-    for needle in (
+    reads(
+        Actor.forward,
         "position_ids = attention_mask.long().cumsum(-1) - 1",
         "log_probs[:, -action_mask.shape[1] :] * action_mask.float()",
         'output["logits"].div_(self.temperature)',
-    ):
-        assert needle in src, needle
+    )
 
 
 def _scoring() -> None:
     from openrlhf.trainer.ray.launcher import ReferenceModelActor
     from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
 
-    assert parameter_names(PolicyModelActor.__ray_actor_class__.forward)[:4] == [
-        "self",
-        "sequences",
-        "action_mask",
-        "attention_mask",
-    ]
-    assert parameter_names(ReferenceModelActor.__ray_actor_class__.forward)[:4] == [
-        "self",
-        "sequences",
-        "action_mask",
-        "attention_mask",
-    ]
+    for actor in (PolicyModelActor, ReferenceModelActor):
+        takes(actor.__ray_actor_class__.forward, "self", "sequences", "action_mask", "attention_mask")
 
 
 def _strategy() -> None:
     from openrlhf.utils.deepspeed import DeepspeedStrategy
 
-    assert "model.backward(loss)" in inspect.getsource(DeepspeedStrategy.backward)
-    assert "model.step()" in inspect.getsource(DeepspeedStrategy.optimizer_step)
+    reads(DeepspeedStrategy.backward, "model.backward(loss)")
+    reads(DeepspeedStrategy.optimizer_step, "model.step()")
 
 
 def _ring() -> None:
@@ -296,13 +275,13 @@ def _ring() -> None:
     from openrlhf.utils.deepspeed import DeepspeedStrategy
 
     assert callable(ring_attn_utils.get_ring_attn_group)
-    assert 'ds_device_mesh["sp"].get_group()' in inspect.getsource(DeepspeedStrategy.setup_ring_attn)
+    reads(DeepspeedStrategy.setup_ring_attn, 'ds_device_mesh["sp"].get_group()')
     try:
         from ring_flash_attn.adapters import hf_adapter
     except ImportError:  # optional in OpenRLHF: only ring-attention runs install it
         return
     assert callable(hf_adapter.use_ring_attn) and isinstance(hf_adapter.RING_ATTN_SWITCH, bool)
-    assert "if RING_ATTN_SWITCH" in inspect.getsource(hf_adapter.substitute_hf_flash_attn)
+    reads(hf_adapter.substitute_hf_flash_attn, "if RING_ATTN_SWITCH")
 
 
 def _cpu_run() -> None:
@@ -312,35 +291,23 @@ def _cpu_run() -> None:
     from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
 
     # The CPU rollout's create_engines takes create_vllm_engines's arguments, as train() passes them.
-    assert parameter_names(vllm_engine.create_vllm_engines)[:4] == [
-        "num_engines",
-        "tensor_parallel_size",
-        "pretrain",
-        "seed",
-    ]
+    create = vllm_engine.create_vllm_engines
+    takes(create, "num_engines", "tensor_parallel_size", "pretrain", "seed")
     for name in ("agent_func_path", "remote_rm_url", "max_images_per_prompt"):
-        assert name in parameter_names(vllm_engine.create_vllm_engines), name
+        assert name in parameter_names(create), name
     # The workers' patches (forkrl.plugins.openrlhf.cpu_patches, cpu_rollout) replace these.
     mesh = importlib.import_module("openrlhf.utils.deepspeed.deepspeed")
-    setup = inspect.getsource(mesh.DeepspeedStrategy.setup_distributed)
-    assert callable(mesh.init_device_mesh) and "self.ds_device_mesh = init_device_mesh(" in setup
+    assert callable(mesh.init_device_mesh)
+    reads(mesh.DeepspeedStrategy.setup_distributed, "self.ds_device_mesh = init_device_mesh(")
     assert "max_norm" in parameter_names(mesh.DeepspeedStrategy.get_ds_train_config)
     buffer = importlib.import_module("openrlhf.trainer.ppo_utils.replay_buffer").NaiveReplayBuffer
-    assert 'self.target_device = torch.device(f"cuda:{torch.cuda.current_device()}")' in inspect.getsource(
-        buffer.__init__
-    )
-    assert "self._init_vllm_sync_group(backend)" in inspect.getsource(ActorPPOTrainer.__init__)
-    assert parameter_names(ActorPPOTrainer.broadcast_to_vllm) == ["self"]
+    reads(buffer.__init__, 'self.target_device = torch.device(f"cuda:{torch.cuda.current_device()}")')
+    reads(ActorPPOTrainer.__init__, "self._init_vllm_sync_group(backend)")
+    takes(ActorPPOTrainer.broadcast_to_vllm, "self", exact=True)
     # The vLLM rollout (cpu_vllm): eager engines through create_vllm_engines's 7th argument, and
     # RolloutRayActor's engine as self.llm (an AsyncLLM: collective_rpc, reset_prefix_cache).
-    assert parameter_names(vllm_engine.create_vllm_engines)[4:7] == [
-        "full_determinism",
-        "enable_prefix_caching",
-        "enforce_eager",
-    ]
-    assert "self.llm = vllm.AsyncLLMEngine" in inspect.getsource(
-        vllm_engine.RolloutRayActor.__ray_actor_class__
-    )
+    assert parameter_names(create)[4:7] == ["full_determinism", "enable_prefix_caching", "enforce_eager"]
+    reads(vllm_engine.RolloutRayActor.__ray_actor_class__, "self.llm = vllm.AsyncLLMEngine")
 
 
 def _spec_metrics() -> None:
@@ -349,10 +316,11 @@ def _spec_metrics() -> None:
     # speculative_trainer overrides _compute_rollout_stats, merged into each step's status
     for trainer in (ppo_trainer.PPOTrainer, ppo_trainer_async.TrainingActor):
         assert issubclass(trainer.__ray_actor_class__, ppo_trainer.BasePPOTrainer)
-    step = inspect.getsource(ppo_trainer.BasePPOTrainer.train_step)
-    assert "rollout_stats = self._compute_rollout_stats(experiences)" in step
-    assert "status.update(rollout_stats)" in step
-    assert "self.vllm_engines = vllm_engines" in inspect.getsource(ppo_trainer.BasePPOTrainer.__init__)
+    reads(
+        ppo_trainer.BasePPOTrainer.train_step,
+        *("rollout_stats = self._compute_rollout_stats(experiences)", "status.update(rollout_stats)"),
+    )
+    reads(ppo_trainer.BasePPOTrainer.__init__, "self.vllm_engines = vllm_engines")
 
 
 def _vlm() -> None:
@@ -362,22 +330,20 @@ def _vlm() -> None:
     from openrlhf.utils import vlm_utils
 
     assert "mm_train_inputs" in Experience.__dataclass_fields__
-    init, forward = inspect.getsource(Actor.__init__), inspect.getsource(Actor.forward)
-    assert "self.is_vlm = is_vlm_model(pretrain_or_model)" in init
+    reads(Actor.__init__, "self.is_vlm = is_vlm_model(pretrain_or_model)")
     # The placeholders by id over the whole row (video 2), as the tree finds them without token types.
-    for needle in (
+    reads(
+        Actor.forward,
         "token_type_ids = (sequences == cfg.image_token_id)",
         "token_type_ids[sequences == cfg.video_token_id] = 2",
         "position_ids = None",
-    ):
-        assert needle in forward, needle
-    # One dict (or None) per sample, concatenated in row order: row_images splits them back per row.
-    merge = inspect.getsource(vlm_utils.merge_mm_train_inputs)
-    assert "for mm_dict in (item if isinstance(item, list) else [item])" in merge
-    assert "torch.cat(v, dim=0)" in merge
-    assert "merge_mm_train_inputs(experience.mm_train_inputs" in inspect.getsource(
-        ActorPPOTrainer.training_step
     )
+    # One dict (or None) per sample, concatenated in row order: row_images splits them back per row.
+    reads(
+        vlm_utils.merge_mm_train_inputs,
+        *("for mm_dict in (item if isinstance(item, list) else [item])", "torch.cat(v, dim=0)"),
+    )
+    reads(ActorPPOTrainer.training_step, "merge_mm_train_inputs(experience.mm_train_inputs")
 
 
 PRIVATES: tuple[Private, ...] = (

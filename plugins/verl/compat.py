@@ -15,7 +15,8 @@ from collections.abc import Iterator
 
 import torch
 
-from forkrl.core.compat import Private, parameter_names
+from forkrl.core.compat import Private
+from forkrl.core.compat.probes import reads, takes
 
 from ..fields import has_content
 
@@ -47,92 +48,70 @@ ROW_LOCAL_LOSSES = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "dro
 def _engine_methods() -> None:
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngine, FSDPEngineWithLMHead
 
-    assert parameter_names(FSDPEngine.forward_backward_batch)[:4] == [
-        "self",
-        "data",
-        "loss_function",
-        "forward_only",
-    ]
-    assert parameter_names(FSDPEngineWithLMHead.forward_step)[:4] == [
-        "self",
-        "micro_batch",
-        "loss_function",
-        "forward_only",
-    ]
-    src = inspect.getsource(FSDPEngine.forward_backward_batch)
-    for needle in (
-        "batch_num_tokens",
-        "dp_size",
-        "prepare_micro_batches",
-        "postprocess_batch_func",
-        "sp_size",
-    ):
-        assert needle in src, needle
+    takes(FSDPEngine.forward_backward_batch, "self", "data", "loss_function", "forward_only")
+    takes(FSDPEngineWithLMHead.forward_step, "self", "micro_batch", "loss_function", "forward_only")
+    reads(
+        FSDPEngine.forward_backward_batch,
+        *("batch_num_tokens", "dp_size", "prepare_micro_batches", "postprocess_batch_func", "sp_size"),
+    )
 
 
 def _autocast() -> None:
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngine, FSDPEngineWithLMHead
 
-    assert "self._autocast_dtype = " in inspect.getsource(FSDPEngine.__init__)
-    assert "_autocast_dtype" in inspect.getsource(FSDPEngineWithLMHead.forward_step)
+    reads(FSDPEngine.__init__, "self._autocast_dtype = ")
+    reads(FSDPEngineWithLMHead.forward_step, "_autocast_dtype")
 
 
 def _micro_batching() -> None:
     from verl.workers.engine import utils
 
-    assert parameter_names(utils.prepare_micro_batches)[:4] == [
-        "data",
-        "dp_group",
-        "num_batches_divided_by",
-        "same_micro_num_in_dp",
-    ]
-    assert parameter_names(utils.postprocess_batch_func) == ["output_lst", "indices", "data"]
+    takes(utils.prepare_micro_batches, "data", "dp_group", "num_batches_divided_by", "same_micro_num_in_dp")
+    takes(utils.postprocess_batch_func, "output_lst", "indices", "data", exact=True)
 
 
 def _output_layout() -> None:
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-    src = inspect.getsource(FSDPEngineWithLMHead.prepare_model_outputs)
     # log-probs and entropies are nested over whole sequences, rolled by one (position t scores token t + 1)
-    assert "nested_tensor_from_jagged(log_probs, cu_seqlens)" in src
-    assert "input_ids_rmpad_rolled" in src
+    reads(
+        FSDPEngineWithLMHead.prepare_model_outputs,
+        *("nested_tensor_from_jagged(log_probs, cu_seqlens)", "input_ids_rmpad_rolled"),
+    )
 
 
 def _loss_slicing() -> None:
     from verl.workers.utils import padding
 
-    src = inspect.getsource(padding.no_padding_2_padding)
-    assert "seq_offset - resp_len - 1 : seq_offset - 1" in src  # the response's scores, left-shifted by one
+    # the response's scores, left-shifted by one
+    reads(padding.no_padding_2_padding, "seq_offset - resp_len - 1 : seq_offset - 1")
 
 
 def _actor_config() -> None:
     from verl.workers.config import FSDPActorConfig
 
-    src = inspect.getsource(FSDPActorConfig.__post_init__)
-    assert 'object.__setattr__(self.engine, "strategy", self.strategy)' in src
+    reads(FSDPActorConfig.__post_init__, 'object.__setattr__(self.engine, "strategy", self.strategy)')
     assert "fsdp_config" in {f for f in FSDPActorConfig.__dataclass_fields__}
 
 
 def _registry() -> None:
     from verl.workers.engine.base import EngineRegistry
 
-    assert parameter_names(EngineRegistry.register)[:3] == ["model_type", "backend", "device"]
+    takes(EngineRegistry.register, "model_type", "backend", "device")
 
 
 def _balance_facts() -> None:
     from verl.trainer.ppo import core_algos
     from verl.workers.utils import padding
 
-    src = inspect.getsource(padding.left_right_2_no_padding)
-    for needle in ('"max_seq_len"', '"max_response_len"', '"indices", indices', "unpad_input("):
-        assert needle in src, needle
-    src = inspect.getsource(core_algos.agg_loss)
-    for needle in (
-        "/ batch_num_tokens * dp_size",
-        "/ global_batch_size * dp_size",
-        "horizon = loss_mask.shape[-1]",
-    ):
-        assert needle in src, needle
+    reads(
+        padding.left_right_2_no_padding,
+        *('"max_seq_len"', '"max_response_len"', '"indices", indices', "unpad_input("),
+    )
+    reads(
+        core_algos.agg_loss,
+        *("/ batch_num_tokens * dp_size", "/ global_batch_size * dp_size", "horizon = loss_mask.shape[-1]"),
+    )
     for name in ROW_LOCAL_LOSSES:
         core_algos.get_policy_loss_fn(name)
 
@@ -145,7 +124,7 @@ def _tensordict_utils() -> None:
     # What carries() reads: the v1 agent loop's per-row multi_modal_inputs, {} for text rows.
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 
-    assert "multi_modal_inputs = {}" in inspect.getsource(AgentLoopWorker._compute_multi_modal_inputs)
+    reads(AgentLoopWorker._compute_multi_modal_inputs, "multi_modal_inputs = {}")
 
 
 def _ulysses() -> None:
@@ -154,26 +133,27 @@ def _ulysses() -> None:
 
     for name in ("get_ulysses_sequence_parallel_group", "set_ulysses_sequence_parallel_group"):
         assert callable(getattr(ulysses, name)), name
-    src = inspect.getsource(monkey_patch._ulysses_flash_attention_forward)
-    assert "ulysses_sp_size = get_ulysses_sequence_parallel_world_size()" in src
-    assert "if ulysses_sp_size > 1 and position_ids is not None" in src
+    reads(
+        monkey_patch._ulysses_flash_attention_forward,
+        "ulysses_sp_size = get_ulysses_sequence_parallel_world_size()",
+        "if ulysses_sp_size > 1 and position_ids is not None",
+    )
 
 
 def _vlm_patches() -> None:
     from verl.models.transformers import monkey_patch
     from verl.utils import model
 
-    src = inspect.getsource(monkey_patch.apply_monkey_patch)
     # Class-level forwards veRL replaces for the Qwen-VL family (restored inside tree passes).
-    for needle in (
+    reads(
+        monkey_patch.apply_monkey_patch,
         "Qwen2VLModel.forward = qwen2_vl_base_forward",
         "Qwen2VLForConditionalGeneration.forward = forward_with_normal_backend",
         "Qwen2VLAttention.forward = qwen2_vl_attn_forward",
         "Qwen3VLModel.forward = qwen3_vl_base_forward",
-    ):
-        assert needle in src, needle
+    )
     # What the stock engine hands the model: the rows' multi_modal_inputs concatenated per key.
-    assert "torch.cat(values, dim=0)" in inspect.getsource(model.extract_multi_modal_inputs)
+    reads(model.extract_multi_modal_inputs, "torch.cat(values, dim=0)")
 
 
 def _prefix_grouper() -> None:
