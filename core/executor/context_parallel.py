@@ -28,7 +28,8 @@ This is ring attention's identity with the roles turned round: the queries trave
 Steps of :meth:`ContextParallelReplay.backward` (one *unit* = one block of a chunk, or one response):
 
 1. **Prefill** (no grad): chunk 0's blocks in order on rank 0, then chunk 1's on rank 1, ...; each
-   owner writes the block's keys/values into its shard.
+   owner writes the block's keys/values into its shard (hybrids: each block starts from the state
+   the one before left, sent on at each chunk's end; the last chunk's final state to every rank).
 2. **Responses** (with grad), each run by the rank that passed it (one at a time), with the last
    prompt token in front (its row predicts the first response token; the cached prompt is the
    first ``P - 1`` tokens). Its head gradient and its shards' key/value gradient follow at once.
@@ -37,6 +38,7 @@ Steps of :meth:`ContextParallelReplay.backward` (one *unit* = one block of a chu
    keys/values accumulated (from the responses and from every later block); the gradient of the
    earlier chunks' keys/values lands on their ranks, in their gradient shards, by step 3's served
    backward. By the time a block runs, every later position has run: its gradient is complete.
+   Hybrids: a block's state output gets the later block's (or the summed responses') gradient.
 4. The parameter gradients (each owner's units') are summed over the group: every rank ends with
    the whole step's gradient, ``d/dθ sum_i sum_t coef_i[t] * logprob_i[t]`` over all the group's
    responses, as single-device replay of the same prompt and responses gives.
@@ -73,10 +75,13 @@ queries ``C * n*H*d`` all-gathered and ``C * n*H*(d+1)`` partials exchanged all-
 ``C * n*H*(2d+1)`` and ``C * n*H*d``), with ``n`` a piece (``block_size``); the compute splits ``C``
 ways (the responses still run one at a time).
 
-Supported models: attention-only decoders whose layers all attend fully (Llama, Qwen2/3, Mistral
-without a sliding window, ...; MHA, GQA, MQA). Hybrid and recurrent models (state passed from chunk
-to chunk), sliding-window, multi-head latent attention, attention softcapping and dropout are
-refused with :class:`UnsupportedModelError` naming single-device long-context replay.
+Supported models: decoders whose attention layers all attend fully (Llama, Qwen2/3, Mistral
+without a sliding window, ...; MHA, GQA, MQA), and hybrid and recurrent ones (Qwen3-Next's linear
+attention, Mamba-1/2 layers as in Jamba, Bamba, Falcon-H1, LFM2's convolutions, pure Mamba): their
+conv/recurrent state passes from chunk to chunk in position order, forward and its gradient back
+(:mod:`.cp_state`), under the serial schedule (``"parallel"`` falls back to it, logged). Sliding
+windows, multi-head latent attention, attention softcapping and dropout are refused with
+:class:`UnsupportedModelError` naming single-device long-context replay.
 """
 
 from __future__ import annotations
@@ -96,6 +101,7 @@ from ..errors import UnsupportedModelError
 from .cp_rounds import SINGLE_DEVICE as _SINGLE_DEVICE
 from .cp_rounds import Round, RoundAttention, chunk_bounds, rounds, served_backward, served_forward
 from .cp_rounds import kernels as _kernels
+from .cp_state import ATTENTION_KINDS, STATE_KINDS, StateCarry, schedule_for
 from .model import ModelAdapter
 
 __all__ = ["CP_ATTENTION", "ContextParallelReplay", "ContextParallelResult", "chunk_bounds"]
@@ -117,6 +123,7 @@ class ContextParallelResult:
         shard_grad_bytes: bytes of its key/value gradient shard (0 with ``prompt_grad="none"``).
         pieces: the ``(start, end)`` prompt spans this rank's shard holds, in shard order (the
             serial schedule: its one chunk; the parallel schedule: its piece of every round).
+        state_bytes_sent: bytes of conv/recurrent state and state gradient it sent along the chain.
     """
 
     logprobs: list[torch.Tensor]
@@ -124,6 +131,7 @@ class ContextParallelResult:
     shard_bytes: int
     shard_grad_bytes: int
     pieces: list[tuple[int, int]]
+    state_bytes_sent: int = 0
 
 
 @dataclass
@@ -171,11 +179,13 @@ class _Session:
     kv_heads: int
     dtype: torch.dtype
     head_dim: int
+    attn_layers: list[int]  # the layers with attention, in order (all of an attention-only model)
+    carry: StateCarry  # the state chain (hybrids; a no-op for attention-only models)
     unit: _Unit | None = None
     layout: list[Round] = field(default_factory=list)  # the parallel schedule's rounds (serial: none)
     round: Round | None = None  # the parallel schedule's current round (None: a served unit)
     last_hidden: torch.Tensor | None = None  # [hidden] the prompt's last row (truncated gradient)
-    next_layer: int = 0
+    next_layer: int = 0  # attention calls so far in the unit
     recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     saved_queries: dict[int, torch.Tensor] = field(default_factory=dict)  # serving ranks, grad units
 
@@ -216,9 +226,9 @@ class _Session:
         return dq
 
     # ------------------------------------------------------------------ a serving rank's side of a unit
-    def serve(self, layers: int, scale: float, device: torch.device) -> None:
-        """Serve the owner's ``layers`` attention calls (and their backward for a grad unit)."""
-        for layer in range(layers):
+    def serve(self, scale: float, device: torch.device) -> None:
+        """Serve the owner's attention calls (and their backward for a grad unit)."""
+        for layer in self.attn_layers:
             q_fold = torch.empty(self.shape(self.head_dim), dtype=self.dtype, device=device)
             dist.broadcast(q_fold, self.owner_global(), group=self.group)
             part = self.partial_forward(layer, q_fold, scale)
@@ -227,7 +237,7 @@ class _Session:
                 self.saved_queries[layer] = q_fold
         if not self.unit.grad:
             return
-        for layer in reversed(range(layers)):
+        for layer in reversed(self.attn_layers):
             q_fold = self.saved_queries.pop(layer)
             pack = torch.empty(self.shape(2 * self.head_dim + 1), dtype=self.pack_dtype, device=device)
             dist.broadcast(pack, self.owner_global(), group=self.group)
@@ -312,10 +322,11 @@ def cp_attention(
         raise RuntimeError(
             f"{CP_ATTENTION} attention was called outside a context-parallel pass; a forkrl bug"
         )
-    layer = getattr(module, "layer_idx", s.next_layer)
-    if layer != s.next_layer or dropout > 0.0 or kwargs.get("sliding_window") or kwargs.get("softcap"):
+    expected = s.attn_layers[s.next_layer] if s.next_layer < len(s.attn_layers) else None
+    layer = getattr(module, "layer_idx", expected)
+    if layer != expected or dropout > 0.0 or kwargs.get("sliding_window") or kwargs.get("softcap"):
         raise RuntimeError(
-            f"context-parallel replay expected layer {s.next_layer}'s full attention without dropout, got layer "
+            f"context-parallel replay expected layer {expected}'s full attention without dropout, got layer "
             f"{layer} (dropout {dropout}): the ranks' collectives would no longer match; use "
             + _SINGLE_DEVICE
         )
@@ -330,10 +341,10 @@ def cp_attention(
 
 
 def _check_model(adapter: ModelAdapter) -> None:
-    kinds = sorted(set(adapter.layer_kinds))
+    kinds = sorted(set(adapter.layer_kinds) - {"full", *STATE_KINDS})
     why = None
-    if kinds != ["full"]:
-        why = f"has cache layers of kind {kinds} (context-parallel replay runs attention-only models whose layers all attend fully; recurrent state passed chunk to chunk is not implemented)"
+    if kinds:
+        why = f"has cache layers of kind {kinds} (context-parallel replay runs layers that attend fully and conv/recurrent state layers)"
     elif adapter.mla_modules:
         why = "uses multi-head latent attention"
     elif getattr(adapter.config, "attn_logit_softcapping", None) is not None:
@@ -401,9 +412,9 @@ class ContextParallelReplay:
         self.prompt_grad = prompt_grad
         self.temperature = float(temperature)
         self.reduce_grads = reduce_grads
-        self.schedule = schedule
+        self.schedule = schedule_for(self.adapter, schedule)  # hybrids: "serial", logged
         cfg = self.adapter.config
-        self.heads = cfg.num_attention_heads
+        self.heads = getattr(cfg, "num_attention_heads", None) or 1  # a pure SSM has none (never read)
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
 
@@ -491,6 +502,7 @@ class ContextParallelReplay:
             shard_grad_bytes=grad_bytes,
             pieces=[rd.pieces[rank] for rd in session.layout]
             or [(session.bounds[rank], session.bounds[rank + 1])],
+            state_bytes_sent=session.carry.bytes_sent,
         )
 
     # ------------------------------------------------------------------ the steps
@@ -506,6 +518,7 @@ class ContextParallelReplay:
         if not work.grad:  # scoring: no replay, no gradient
             return out
         if self.prompt_grad == "exact":  # 3. reverse replay, the last round or block first
+            s.carry.sum_final_gradient()  # the responses' gradient of the prompt's final state
             self._prompt(s, prompt, grad=True)
         if self.reduce_grads:  # 4. every rank: the whole step's gradient
             self.sum_grads()
@@ -527,6 +540,7 @@ class ContextParallelReplay:
         for owner in order(range(s.world)):
             for start, end in order(self._blocks(s, owner)):
                 self._unit(s, _Unit(owner, start, end - start, grad=grad), prompt[start:end])
+            s.carry.chunk_done(owner, grad, s.world)  # the state on to the next chunk (its gradient back)
 
     def _responses(self, s: _Session, prompt: torch.Tensor, work: _Work) -> list:
         """2. Every rank's responses in turn, one at a time; exact: the last prompt token in front."""
@@ -553,21 +567,23 @@ class ContextParallelReplay:
     def _unit(self, s: _Session, unit: _Unit, ids: torch.Tensor | None, coef: tuple | None = None):
         """Run one unit: forward on its owner (and its backward for a grad unit), served elsewhere."""
         s.unit, s.next_layer = unit, 0
-        layers = self.adapter.num_layers
+        layers = len(s.attn_layers)
         scale = self._scale()
         if unit.owner != s.rank:
-            s.serve(layers, scale, self.device)
+            s.serve(scale, self.device)
             s.unit = None
             return []
         ids = ids.to(self.device).unsqueeze(0)
         pos = torch.arange(unit.start, unit.start + unit.length, device=self.device).unsqueeze(0)
+        prompt_block = unit.start < s.bounds[-1]
+        cache = s.carry.enter(unit.start, prompt_block, unit.grad)  # None: no state layers
         with torch.set_grad_enabled(unit.grad):
-            hidden = self.adapter.hidden(ids, pos)  # [1, n, hidden]
+            hidden = self.adapter.hidden(ids, pos, cache)  # [1, n, hidden]
         if s.next_layer != layers:
             raise RuntimeError(f"{self.adapter.name} ran {s.next_layer} attention calls, expected {layers}")
         recorded, s.recorded = s.recorded, {}
         result = []
-        if unit.start < s.bounds[-1]:  # a prompt block: its keys/values into this rank's shard
+        if prompt_block:  # its keys/values into this rank's shard
             a = s.round.offsets[s.rank] if s.round is not None else unit.start - s.bounds[s.rank]
             b = a + unit.length
             if not unit.grad:
@@ -576,12 +592,15 @@ class ContextParallelReplay:
                     s.values[layer][:, :, a:b] = v.detach()
                 if unit.start + unit.length == s.bounds[-1]:
                     s.last_hidden = hidden[0, -1].detach().contiguous()
+                s.carry.leave(cache)
             else:
                 outputs, grads = [hidden], [torch.zeros_like(hidden)]  # every layer's backward runs
                 for layer, (k, v) in recorded.items():
                     outputs += [k, v]
                     grads += [s.key_grads[layer][:, :, a:b].clone(), s.value_grads[layer][:, :, a:b].clone()]
-                torch.autograd.backward(outputs, grads)
+                outs, seeds = s.carry.backward_pairs(cache)  # the state it leaves: the later block's gradient
+                torch.autograd.backward(outputs + outs, grads + seeds)
+                s.carry.backward_done()
         else:  # a response: its log-probs and their gradient
             if unit.start == s.bounds[-1] - 1 or self.prompt_grad == "exact":  # the unit's first row predicts
                 rows, targets = hidden[0, :-1], ids[0, 1:]
@@ -620,12 +639,12 @@ class ContextParallelReplay:
             bounds = chunk_bounds(cached, world)
         n = bounds[rank + 1] - bounds[rank]
         dtype = attention.compute_dtype(self.device, self.adapter.head.weight.dtype)
-        shape = (1, self.kv_heads, n, self.head_dim)
+        kinds = self.adapter.layer_kinds
+        attn_layers = [i for i, kind in enumerate(kinds) if kind in ATTENTION_KINDS]
 
-        def new() -> list[torch.Tensor]:
-            return [
-                torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.adapter.num_layers)
-            ]
+        def new() -> list[torch.Tensor]:  # state layers: an empty shard
+            shape = lambda i: (1, self.kv_heads, n if i in attn_layers else 0, self.head_dim)  # noqa: E731
+            return [torch.zeros(shape(i), dtype=dtype, device=self.device) for i in range(len(kinds))]
 
         exact = self.prompt_grad == "exact"
         group_ranks = (
@@ -647,6 +666,8 @@ class ContextParallelReplay:
             kv_heads=self.kv_heads,
             dtype=dtype,
             head_dim=self.head_dim,
+            attn_layers=attn_layers,
+            carry=StateCarry(self.adapter.base.config, kinds, self.group, group_ranks, exact, self.device),
             layout=layout,
         )
         return s
@@ -659,7 +680,8 @@ class ContextParallelReplay:
             _registered = True
         _ACTIVE = session
         try:
-            with self.adapter.checkpointing_off(), self.adapter.attention_implementation(CP_ATTENTION):
+            ssm = compat.out_of_place_ssm_step(self.adapter.ssm_modules)  # Mamba-2 one-token steps
+            with self.adapter.checkpointing_off(), self.adapter.attention_implementation(CP_ATTENTION), ssm:
                 yield
         finally:
             _ACTIVE = None

@@ -170,13 +170,15 @@ def test_bf16_weights_are_as_accurate_as_plain_autograd():
 
 
 def test_a_model_the_group_cannot_split_is_refused_when_the_step_is_set_up():
-    """Checked with the host's setup (TreeRunner.check_model), before any rollout: a hybrid model under
-    long_context_replay with a context-parallel group is refused naming single-device replay."""
+    """Checked with the host's setup (TreeRunner.check_model), before any rollout: a sliding-window
+    model under long_context_replay with a context-parallel group is refused naming single-device
+    replay (hybrids are not: their state is carried chunk to chunk, tests/core/test_cp_hybrid.py)."""
     from forkrl.core import TreeOptions, TreeStep, UnsupportedModelError
     from forkrl.core.train import ParallelContext
 
     step = TreeStep(TreeOptions(long_context_replay=True))
-    hybrid = tiny_causal_lm("qwen3next")
-    step.check_model(hybrid)  # one device: single-device replay runs hybrids
+    sliding = tiny_causal_lm("mistral-swa")
+    step.check_model(sliding)  # one device: single-device replay runs sliding windows
     with pytest.raises(UnsupportedModelError, match=r"mode='replay', prompt_grad='exact'"):
-        step.check_model(hybrid, ParallelContext(context_parallel=object()))
+        step.check_model(sliding, ParallelContext(context_parallel=object()))
+    step.check_model(tiny_causal_lm("qwen3next"), ParallelContext(context_parallel=object()))
