@@ -10,6 +10,14 @@ attention collectives receive, measured (the collectives wrapped) and predicted 
 
     .venv/bin/python -m benchmarks.long_context_cp                 # C = 2, about a minute
     .venv/bin/python -m benchmarks.long_context_cp --ranks 4 --prompt 2049
+    .venv/bin/python -m benchmarks.long_context_cp --hybrid        # the state chain's cost
+
+``--hybrid`` measures what a hybrid model's state chain costs (:mod:`forkrl.core.executor.cp_state`:
+the conv/recurrent state passed chunk to chunk in position order, so hybrids run the serial
+schedule): a tiny Qwen3-Next of the same width (linear attention and attention layers alternating)
+on ``C`` ranks against one rank, the time each rank spends in the chain's collectives and the bytes
+it sends, beside what the parallel schedule gives the attention-only Llama of the same size in the
+same run.
 """
 
 from __future__ import annotations
@@ -26,6 +34,16 @@ RANK_FLAG = "FORKRL_CP_RANK"
 MODEL = dict(
     num_hidden_layers=4, hidden_size=256, num_attention_heads=8, num_key_value_heads=2, vocab_size=512
 )
+HYBRID = dict(  # Qwen3-Next's linear attention (gated delta rule) and attention, alternating; 4 experts
+    layer_types=["linear_attention", "full_attention"] * 2,
+    head_dim=32,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    moe_intermediate_size=128,
+    shared_expert_intermediate_size=128,
+)
 
 
 def _args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -36,6 +54,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--group", type=int, default=4, help="responses (GRPO group)")
     p.add_argument("--response", type=int, default=32, help="tokens per response")
     p.add_argument("--repeats", type=int, default=3, help="timed steps per schedule (median)")
+    p.add_argument("--hybrid", action="store_true", help="measure a hybrid model's state chain (docstring)")
     return p.parse_args(argv)
 
 
@@ -121,6 +140,137 @@ class _Received:
             return fn(*args, **kwargs)
 
         return wrapped
+
+
+class _Chain:
+    """Times this rank's state-chain collectives (:class:`StateCarry` broadcasts and the final
+    gradient's all-reduce) while active."""
+
+    def __enter__(self) -> _Chain:
+        import time
+
+        from forkrl.core.executor.cp_state import StateCarry
+
+        self.seconds, self.originals = 0.0, {}
+        for name in ("broadcast", "sum_final_gradient"):
+            fn = self.originals[name] = getattr(StateCarry, name)
+
+            def timed(*args, _fn=fn, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return _fn(*args, **kwargs)
+                finally:
+                    self.seconds += time.perf_counter() - t0
+
+            setattr(StateCarry, name, timed)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from forkrl.core.executor.cp_state import StateCarry
+
+        for name, fn in self.originals.items():
+            setattr(StateCarry, name, fn)
+
+
+def _hybrid_rank_main(a: argparse.Namespace) -> None:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from forkrl.core.executor.context_parallel import ContextParallelReplay
+    from forkrl.core.testing.models import tiny_causal_lm
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    common = dict(
+        intermediate_size=2 * MODEL["hidden_size"], max_position_embeddings=a.prompt + a.response + 8
+    )
+    models = {
+        "attn": tiny_causal_lm("llama-gqa", dtype=torch.float32, **common, **MODEL),
+        "hybrid": tiny_causal_lm("qwen3next", dtype=torch.float32, **common, **MODEL, **HYBRID),
+    }
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, MODEL["vocab_size"], (a.prompt,), generator=g)
+    responses = [torch.randint(0, MODEL["vocab_size"], (a.response,), generator=g) for _ in range(a.group)]
+    coefs = [torch.randn(a.response, generator=g) for _ in range(a.group)]
+    mine = list(range(rank, a.group, world))
+    group, alone_group = dist.new_group(list(range(world))), dist.new_group([0])
+
+    def step(name: str, schedule: str, on=None) -> tuple[float, float, float, int]:
+        """(wall seconds, compute seconds, seconds in the state chain, chain bytes sent) of one step."""
+        model = models[name]
+        model.zero_grad(set_to_none=True)
+        cp = ContextParallelReplay(model, group=on or group, block_size=a.block, schedule=schedule)
+        rs, cs = (responses, coefs) if on else ([responses[i] for i in mine], [coefs[i] for i in mine])
+        with _Chain() as chain:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            res = cp.backward(prompt, rs, cs)
+            seconds, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        return seconds, cpu, chain.seconds, res.state_bytes_sent
+
+    runs = {
+        "attn_parallel": ("attn", "parallel"),
+        "attn_serial": ("attn", "serial"),
+        "hybrid": ("hybrid", "serial"),
+    }
+    step("hybrid", "serial")  # warm-up
+    measured, alone = {k: [] for k in runs}, []
+    for _ in range(a.repeats):  # interleaved, so that the load of a shared machine falls on each alike
+        for key, (name, schedule) in runs.items():
+            dist.barrier()
+            measured[key].append(step(name, schedule))
+        dist.barrier()
+        if rank == 0:
+            alone.append(step("hybrid", "serial", on=alone_group))
+        dist.barrier()
+    med = lambda xs, i: statistics.median(x[i] for x in xs) if xs else None  # noqa: E731
+    record = {"rank": rank, "world": world, "alone_s": med(alone, 0), "alone_cpu_s": med(alone, 1)}
+    for key, xs in measured.items():
+        record |= {f"{key}_s": med(xs, 0), f"{key}_cpu_s": med(xs, 1)}
+    record |= {"chain_s": med(measured["hybrid"], 2), "chain_bytes": measured["hybrid"][-1][3]}
+    for r in range(world):
+        if r == rank:
+            print("RESULT " + json.dumps(record), flush=True)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def _hybrid_report(a: argparse.Namespace, ranks: list[dict]) -> None:
+    alone, alone_cpu = ranks[0]["alone_s"], ranks[0]["alone_cpu_s"]
+    rows = [
+        {
+            "rank": r["rank"],
+            "attn_parallel_vs_serial": r["attn_serial_s"] / r["attn_parallel_s"],
+            "hybrid_s": r["hybrid_s"],
+            "hybrid_one_rank_s": alone,
+            "hybrid_vs_one_rank": alone / r["hybrid_s"],
+            "hybrid_cpu_share": r["hybrid_cpu_s"] / alone_cpu,
+            "chain_s": r["chain_s"],
+            "chain_share": r["chain_s"] / r["hybrid_s"],
+            "chain_KB_sent": r["chain_bytes"] / 1e3,
+        }
+        for r in ranks
+    ]
+    print(
+        f"C = {a.ranks} gloo ranks, one thread each; P = {a.prompt}, block {a.block}, {a.group} x {a.response} "
+        f"tokens; median of {a.repeats}; hybrid: Qwen3-Next (serial schedule, state chained), attn: Llama"
+    )
+    print_table(rows, [(k, "{:.3f}" if isinstance(v, float) else "{}") for k, v in rows[0].items()])
+    print(
+        json.dumps(
+            {
+                "benchmark": "long_context_cp --hybrid",
+                "machine": machine(),
+                "args": vars(a),
+                "ranks": ranks,
+                "attn_parallel_vs_serial": min(r["attn_parallel_vs_serial"] for r in rows),
+                "hybrid_vs_one_rank": alone / max(r["hybrid_s"] for r in ranks),
+                "chain_share": max(r["chain_share"] for r in rows),
+            }
+        )
+    )
 
 
 def _rank_main(a: argparse.Namespace) -> None:
@@ -238,12 +388,15 @@ def machine_parallelism(processes: int, size: int = 768, reps: int = 30) -> floa
 def main(argv: list[str] | None = None) -> None:
     a = _args(argv)
     if os.environ.get(RANK_FLAG) == "1":
-        _rank_main(a)
+        (_hybrid_rank_main if a.hybrid else _rank_main)(a)
         return
     ranks = sorted(
         run_ranks("benchmarks.long_context_cp", RANK_FLAG, ranks=a.ranks, timeout=1800),
         key=lambda r: r["rank"],
     )
+    if a.hybrid:
+        _hybrid_report(a, ranks)
+        return
     alone, alone_cpu = ranks[0]["alone_s"], ranks[0]["alone_cpu_s"]
     scaling = machine_parallelism(a.ranks)
     rows = []
