@@ -28,12 +28,15 @@ def model_path(tmp_path_factory) -> str:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def _cp_train(model: str, out: Path, per_device: int, cp: int, bf16: bool = False) -> dict | None:
+def _cp_train(
+    model: str, out: Path, per_device: int, cp: int, bf16: bool = False, checkpointing: bool = False
+) -> dict | None:
     """Two steps of stock TRL (``cp`` 0) or the plugin with ``long_context_cp_size=cp`` (prompts of
     about 80 tokens: several replay blocks); the main process returns what it trained and ran."""
     from forkrl.core.executor.cp_executor import ContextParallelExecutor
 
     kw = dict(dataset=prompt_dataset(16), per_device_train_batch_size=per_device, max_steps=2, bf16=bf16)
+    kw["gradient_checkpointing"] = checkpointing
     if cp:
         kw.update(long_context_replay=True, long_context_cp_size=cp, tree_block_size=8, beta=0.04)
     else:
@@ -51,14 +54,16 @@ def _cp_train(model: str, out: Path, per_device: int, cp: int, bf16: bool = Fals
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, cp", [(2, 2), (4, 2)])
-def test_prompts_split_over_groups_of_processes_equal_stock(model_path, tmp_path, world, cp):
+@pytest.mark.parametrize("world, cp, checkpointing", [(2, 2, True), (4, 2, False)])
+def test_prompts_split_over_groups_of_processes_equal_stock(model_path, tmp_path, world, cp, checkpointing):
     """Old-policy, reference (beta > 0) and training passes all split over the group; the update is
-    stock TRL's with the same global batch in one process."""
+    stock TRL's with the same global batch in one process (with TRL's default gradient checkpointing,
+    which the tree's replay replaces, on two processes)."""
     init = initial_params(model_path)
-    got = run_on_ranks(_cp_train, world, model_path, tmp_path, 2, cp, init_group=False, timeout=900)[0]
+    args = (model_path, tmp_path, 2, cp, False, checkpointing)
+    got = run_on_ranks(_cp_train, world, *args, init_group=False, timeout=900)[0]
     assert got["world"] == world and got["cp"] >= 2, got  # the policy's and the reference's executors
-    one = run_in_subprocess(_cp_train, model_path, tmp_path, 2 * world, 0)
+    one = run_in_subprocess(_cp_train, model_path, tmp_path, 2 * world, 0, False, checkpointing)
     assert_equals_stock(one["params"], got["params"], init, TOL)
 
 
