@@ -97,6 +97,7 @@ from torch import nn
 
 from .. import attention, compat
 from ..attention.split import _expand, _fold, _reduce, _unfold
+from ..collectives import all_reduce_buckets
 from ..errors import UnsupportedModelError
 from .cp_rounds import SINGLE_DEVICE as _SINGLE_DEVICE
 from .cp_rounds import Round, RoundAttention, chunk_bounds, rounds, served_backward, served_forward
@@ -558,11 +559,11 @@ class ContextParallelReplay:
 
     def sum_grads(self) -> None:
         """Sum ``param.grad`` over the group (every rank then holds the group's whole gradient)."""
-        for p in self.model.parameters():
-            if p.requires_grad:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=self.group)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        all_reduce_buckets([p.grad for p in params], self.group)  # a few calls, not one per parameter
 
     def _unit(self, s: _Session, unit: _Unit, ids: torch.Tensor | None, coef: tuple | None = None):
         """Run one unit: forward on its owner (and its backward for a grad unit), served elsewhere."""

@@ -189,13 +189,20 @@ class RoundAttention(torch.autograd.Function):
         off = rd.offsets[s.rank]
         s.keys[layer][:, :, off : off + n] = k.detach()  # served to later pieces of this round
         s.values[layer][:, :, off : off + n] = v.detach()
-        out, lse = kernels(q)[0](q, _expand(k, rep), _expand(v, rep), 0.0, True, scale=scale)
-        out, lse = out.to(s.pack_dtype), lse.to(s.pack_dtype)
         mine = _fold(_padded(q, m), kv).contiguous()
         queries = [torch.empty_like(mine) for _ in range(s.world)]
-        dist.all_gather(queries, mine, group=s.group)
+        gathering = dist.all_gather(queries, mine, group=s.group, async_op=True)
+        # While the queries travel: this piece's causal part and its own queries' served part.
+        out, lse = kernels(q)[0](q, _expand(k, rep), _expand(v, rep), 0.0, True, scale=scale)
+        out, lse = out.to(s.pack_dtype), lse.to(s.pack_dtype)
+        own = served_forward(
+            s.keys[layer], s.values[layer], mine, rd.visible(s.rank, s.rank), scale, s.pack_dtype
+        )
+        gathering.wait()
         parts = [
-            served_forward(
+            own
+            if j == s.rank
+            else served_forward(
                 s.keys[layer], s.values[layer], queries[j], rd.visible(s.rank, j), scale, s.pack_dtype
             )
             for j in range(s.world)
@@ -222,10 +229,6 @@ class RoundAttention(torch.autograd.Function):
         kv, m = k.shape[1], rd.longest
         rep = h // kv
         dout = dout.to(q.dtype).contiguous()
-        dq, dk, dv = kernels(q)[1](
-            dout, q, _expand(k, rep), _expand(v, rep), out, lse, 0.0, True, scale=scale
-        )
-        dk, dv = _reduce(dk, rep), _reduce(dv, rep)
         pd = s.pack_dtype
         pack = torch.cat(
             [
@@ -236,7 +239,13 @@ class RoundAttention(torch.autograd.Function):
             -1,
         ).contiguous()
         packs = [torch.empty_like(pack) for _ in range(s.world)]
-        dist.all_gather(packs, pack, group=s.group)
+        gathering = dist.all_gather(packs, pack, group=s.group, async_op=True)
+        # While the packs travel: this piece's causal backward.
+        dq, dk, dv = kernels(q)[1](
+            dout, q, _expand(k, rep), _expand(v, rep), out, lse, 0.0, True, scale=scale
+        )
+        dk, dv = _reduce(dk, rep), _reduce(dv, rep)
+        gathering.wait()
         off = rd.offsets[s.rank]
         shares = []
         for j in range(s.world):

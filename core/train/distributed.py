@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..collectives import all_reduce_buckets
+
 __all__ = ["all_ok", "all_reduce_gradients", "gather_shares", "share_micro_batches", "world_size"]
 
 
@@ -38,21 +40,7 @@ def all_reduce_gradients(
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for p in [*params, None]:
-        if p is not None:
-            bucket.append(p.grad)
-            size += p.grad.numel()
-        if bucket and (p is None or size >= bucket_elems):
-            flat = torch.cat([g.reshape(-1) for g in bucket])
-            dist.all_reduce(flat, group=group)
-            flat /= world
-            offset = 0
-            for g in bucket:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-            bucket, size = [], 0
+    all_reduce_buckets([p.grad for p in params], group, bucket_elems, divide=world)
 
 
 def reduce_stats(
