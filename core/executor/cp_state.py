@@ -52,9 +52,9 @@ States = list[tuple[torch.Tensor, ...]]
 
 def schedule_for(adapter, schedule: str) -> str:
     """The schedule a model runs: ``schedule``, but ``"serial"`` for a model with state layers (the
-    parallel schedule's pieces would each start from a state not yet computed), with a warning."""
+    parallel schedule's pieces would each start from a state not yet computed), logged (a host cannot choose the schedule, so not a warning)."""
     if adapter.has_state and schedule == "parallel":
-        logger.warning(
+        logger.info(
             "%s carries conv/recurrent state from chunk to chunk in position order, which the parallel "
             "schedule does not do: running context-parallel replay with schedule='serial'",
             adapter.name,

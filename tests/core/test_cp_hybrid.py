@@ -94,10 +94,10 @@ def test_hybrid_context_parallel_replay_equals_single_device(
         assert r["schedule"] == "serial", r  # "parallel" falls back, logged: the state runs in order
 
 
-def test_the_parallel_schedule_falls_back_to_serial_for_hybrids_with_a_warning(caplog):
+def test_the_parallel_schedule_falls_back_to_serial_for_hybrids_logged(caplog):
     from forkrl.core.executor.context_parallel import ContextParallelReplay
 
-    with caplog.at_level("WARNING", logger="forkrl.core.executor.cp_state"):
+    with caplog.at_level("INFO", logger="forkrl.core.executor.cp_state"):
         cp = ContextParallelReplay(tiny_causal_lm("qwen3next"))  # schedule="parallel" by default
     assert cp.schedule == "serial"
     assert "schedule='serial'" in caplog.text and "Qwen3Next" in caplog.text
