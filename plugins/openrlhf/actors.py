@@ -48,19 +48,11 @@ class TreePolicyModelActor(_HostPolicy.__ray_actor_class__):
         """Old-policy action log-probs ``[B, num_actions]``: tree-scored with tree training on (with
         each row's images for a vision-language actor)."""
         tree = getattr(self.trainer, "tree_step", None)
-        module = tree_module(self.actor)
         if tree is None or action_mask is None:
             return super().forward(
                 sequences, action_mask, attention_mask, packed_seq_lens, mm_train_inputs_list
             )
-        return score_log_probs(  # the rows as Ray delivered them: planned on the host
-            tree,
-            module,
-            sequences,
-            action_mask,
-            attention_mask,
-            images=_images(self.actor, mm_train_inputs_list, sequences.shape[0]),
-        )
+        return _score(tree, self.actor, sequences, action_mask, attention_mask, mm_train_inputs_list)
 
 
 class TreeReferenceModelActor(_HostReference.__ray_actor_class__):
@@ -86,26 +78,22 @@ class TreeReferenceModelActor(_HostReference.__ray_actor_class__):
     ) -> torch.Tensor:
         """Reference action log-probs ``[B, num_actions]``: tree-scored with tree training on."""
         tree = getattr(self, "tree_step", None)
-        module = tree_module(self.model)
         if tree is None or return_output or action_mask is None:
             return super().forward(
                 sequences, action_mask, attention_mask, return_output, packed_seq_lens, mm_train_inputs_list
             )
-        return score_log_probs(  # the rows as Ray delivered them: planned on the host
-            tree,
-            module,
-            sequences,
-            action_mask,
-            attention_mask,
-            images=_images(self.model, mm_train_inputs_list, sequences.shape[0]),
-        )
+        return _score(tree, self.model, sequences, action_mask, attention_mask, mm_train_inputs_list)
 
 
-def _images(actor: Any, mm_train_inputs_list: Any, rows: int):
-    """Per row, its images for a vision-language ``actor`` (OpenRLHF's ``Actor``); None otherwise,
-    as OpenRLHF's actors ignore the field for a text model. By content: OpenRLHF passes
-    ``mm_train_inputs_list=[[None], ...]`` for text samples too."""
-    return row_images(mm_train_inputs_list, rows) if getattr(actor, "is_vlm", False) else None
+def _score(
+    tree: TreeStep, actor: Any, sequences, action_mask, attention_mask, mm_train_inputs_list: Any
+) -> torch.Tensor:
+    """:func:`score_log_probs` of the rows as Ray delivered them (planned on the host), for both actors;
+    with a vision-language ``actor`` (OpenRLHF's ``Actor``) each row's images, else none, as OpenRLHF's
+    actors ignore the field for a text model (by content: it passes ``[[None], ...]`` for text samples too)."""
+    vlm = getattr(actor, "is_vlm", False)
+    images = row_images(mm_train_inputs_list, sequences.shape[0]) if vlm else None
+    return score_log_probs(tree, tree_module(actor), sequences, action_mask, attention_mask, images=images)
 
 
 # Ray actor classes, built as OpenRLHF builds its own (one GPU per actor by default).
