@@ -24,9 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from forkrl.core import TreeOptions
-from forkrl.core.train import GroupedRanksOptions
 from forkrl.core.options import OptionDoc, format_value, markdown_table, option_docs
 from forkrl.core.speculative import SpeculativeOptions
+from forkrl.core.train import GroupedRanksOptions
 from forkrl.plugins.openrlhf.options import FLAG_OVERRIDES, FLAG_PREFIX, FLAGS, ForkrlOptions
 
 ROOT = Path(__file__).resolve().parents[1]
