@@ -23,6 +23,8 @@ from typing import Any
 import torch
 
 from forkrl.core.balance import CostModel, Rebalanced, rebalance
+from forkrl.core.balance.exchange import padded
+from forkrl.core.balance.rules import ENTROPY_BONUS, ROUTER_LOSS
 
 from . import compat
 
@@ -41,11 +43,11 @@ def unsafe_reason(trainer: Any) -> str | None:
     if loss_type is not None and loss_type not in _ROW_LOCAL:
         return f"loss_type={loss_type!r} normalises each micro-batch by its own token count"
     if compat.entropy_bonus_enabled(trainer):
-        return "the entropy bonus is a token mean over each micro-batch"
+        return ENTROPY_BONUS
     if getattr(trainer, "top_entropy_quantile", 1.0) < 1.0:
         return "top_entropy_quantile < 1 masks by a quantile over each micro-batch"
     if getattr(trainer, "aux_loss_enabled", False):
-        return "the MoE router load-balancing loss averages expert loads over each micro-batch"
+        return ROUTER_LOSS
     return None
 
 
@@ -79,15 +81,9 @@ def _collate(rows: list[dict[str, torch.Tensor]], pad_id: int, device) -> dict[s
         if parts[0].dim() == 0:
             out[key] = torch.stack(parts)
             continue
-        width = max(p.shape[0] for p in parts)
         fill = pad_id if key in ("prompt_ids", "completion_ids") else 0
-        batch = parts[0].new_full((len(parts), width, *parts[0].shape[1:]), fill)
-        for b, p in enumerate(parts):
-            if key in _LEFT_PADDED:
-                batch[b, width - p.shape[0] :] = p
-            else:
-                batch[b, : p.shape[0]] = p
-        out[key] = batch.to(device)
+        width = max(p.shape[0] for p in parts)
+        out[key] = padded(parts, width, left=key in _LEFT_PADDED, fill=fill).to(device)
     return out
 
 

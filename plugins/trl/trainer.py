@@ -41,6 +41,7 @@ from trl import GRPOTrainer as _TRLGRPOTrainer
 from trl import RLOOTrainer as _TRLRLOOTrainer
 
 from forkrl.core import UnsupportedModelError
+from forkrl.core.balance.rules import IMAGES, BalanceOption
 from forkrl.core.train import TreeRunner, is_fsdp2
 
 from ..deepspeed import gathered as deepspeed_gathered
@@ -54,6 +55,11 @@ from .speculative import TRLSpeculation
 __all__ = ["GRPOTrainer", "RLOOTrainer", "TreeTrainingMixin"]
 
 logger = logging.getLogger(__name__)
+
+#: ``tree_balance`` in TRL's words (core's rule, :mod:`forkrl.core.balance.rules`).
+BALANCE = BalanceOption(
+    on="tree_balance='on'", auto="tree_balance='auto'", off="tree_balance='off'", update="TRL's update"
+)
 
 # Loss types whose gradient at ratio 1 (old log-probs = current, detached) is constant.
 _KNOWN_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
@@ -188,31 +194,20 @@ class TreeTrainingMixin:
             )
 
     def _balance_setting(self) -> bool:
-        """Whether each step's rows are rebalanced over the data-parallel ranks (``tree_balance``)."""
-        choice = self.args.tree_balance
-        if choice == "on" and self.accelerator.num_processes == 1:
-            raise ValueError(
-                "tree_balance='on' balances rows over data-parallel ranks, and this run has one process, so it "
-                "would have no effect: drop it (the default 'auto' balances when launched on several processes)"
-            )
-        if choice == "off" or self.accelerator.num_processes == 1 or self.args.long_context_cp_size > 1:
-            return False  # a context-parallel group trains its rows where they are
-        # Decided once, the same on every rank (the balancer is a collective): a vision-language
-        # model's rows would move without their pixels.
-        why = (
-            "a vision-language model's rows carry images, which it does not move"
-            if self._is_vlm
-            else unsafe_reason(self)
-        )
-        if why is not None:
-            if choice == "on":
-                raise ValueError(
-                    f"tree_balance='on' would change the update: {why}; set tree_balance='off' (or 'auto', which "
-                    "leaves the rows where TRL put them for such a loss)"
-                )
-            logger.info("tree_balance: rows stay where TRL put them (%s)", why)
-            return False
-        return True
+        """Whether each step's rows are rebalanced over the data-parallel ranks (``tree_balance``),
+        decided once, the same on every rank (the balancer is a collective), by core's rule."""
+        choice, ranks = self.args.tree_balance, self.accelerator.num_processes
+        fixed = IMAGES if self._is_vlm else None
+        if self.args.long_context_cp_size > 1:  # the config refuses 'on' with it first
+            fixed = "which a context-parallel group does not do: it trains its rows where they are"
+        loss = unsafe_reason(self) if ranks > 1 and fixed is None else None
+        refused = BALANCE.refusal(choice, ranks, fixed=fixed, loss=loss, counted="launched as one process")
+        if refused is not None:
+            raise ValueError(refused)
+        moves = BALANCE.balances(choice, ranks, fixed=fixed, loss=loss)
+        if not moves and choice == "auto" and ranks > 1:
+            logger.info("tree_balance: rows stay where TRL put them (%s)", fixed or loss)
+        return moves
 
     # ------------------------------------------------------------------ TRL hooks
     def _get_per_token_logps_and_entropies(
