@@ -79,7 +79,11 @@ class ParallelContext:
 
 
 def agreed(
-    check: Callable[[], T], device: torch.device | str | int, elsewhere: Exception, group: Any = None
+    check: Callable[[], T],
+    device: torch.device | str | int,
+    elsewhere: Exception,
+    group: Any = None,
+    catch: tuple[type[Exception], ...] = (ValueError,),
 ) -> T:
     """``check()``, its refusal agreed over the ranks of ``group`` (None: the world) before a collective.
 
@@ -88,15 +92,17 @@ def agreed(
     refusing rank raises its own error, every other rank ``elsewhere``, and nothing has changed on any.
 
     Args:
-        check: returns what the host needs, or raises ValueError (``UnsupportedModelError``
-            included) to refuse.
+        check: returns what the host needs, or raises one of ``catch`` (ValueError, with
+            ``UnsupportedModelError``, by default) to refuse.
         device: where the agreement's flag lives (the host's collective device).
         elsewhere: what a rank that did not refuse raises (naming the other rank's error as the cause).
+        catch: the errors that count as a refusal (a step's own failures: also TypeError and
+            RuntimeError); any other propagates at once.
     """
     result, error = None, None
     try:
         result = check()
-    except ValueError as err:
+    except catch as err:
         error = err
     if not all_ok(error is None, device, group):
         raise error if error is not None else elsewhere

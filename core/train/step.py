@@ -32,9 +32,9 @@ from torch import nn
 from ..executor import MODES, ContextParallelExecutor, ExecMode, Image, RouterLoss, TreeExecutor, VisionBatch
 from ..objective import LossGradient, Quiet, WindowLoss, WindowResult, backward_window
 from ..tree import PrefixForest, RowLayout, Window
-from .distributed import all_ok, all_reduce_gradients, reduce_stats
+from .distributed import all_reduce_gradients, reduce_stats
 from .options import TreeOptions
-from .parallel import ParallelContext
+from .parallel import ParallelContext, agreed
 from .sharded import AliasReplica, FSDP2Replica, Gather, is_fsdp2, is_zero3
 from .union import GroupRows
 
@@ -258,21 +258,14 @@ class TreeStep:
     @staticmethod
     def _agreed(run, device: torch.device, group, collective: bool, consequence: str = ""):
         """``run()``, with a failure on any rank raised on every rank before the gradient
-        collectives that follow (no rank is left waiting in them)."""
+        collectives that follow (no rank is left waiting in them): :func:`agreed`."""
         if not collective:
             return run()
-        try:
-            result, error = run(), None
-        except (ValueError, TypeError, RuntimeError) as err:
-            result, error = None, err
-        if not all_ok(error is None, device, group):
-            if error is not None:
-                raise error
-            raise RuntimeError(
-                "another data-parallel rank stopped this step before the gradients were reduced (see that rank's "
-                f"error); {consequence}"
-            )
-        return result
+        elsewhere = RuntimeError(
+            "another data-parallel rank stopped this step before the gradients were reduced (see that rank's "
+            f"error); {consequence}"
+        )
+        return agreed(run, device, elsewhere, group, catch=(ValueError, TypeError, RuntimeError))
 
     @property
     def score_mode(self) -> ExecMode:
