@@ -110,6 +110,14 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         self.forkrl = TreeRunner(self._tree_options, VeRLHost(self))
         logger.info("forkrl: veRL engine %s active (%s)", BACKEND, self._tree_options)
 
+    def initialize(self) -> None:
+        """veRL's method (the model and optimizer built), then the tree's model check, so a model no
+        tree can run, or one the Ulysses group cannot split under ``long_context_replay``, is refused
+        when the worker starts, before the first rollout."""
+        super().initialize()
+        if self._tree_options.tree_enabled:
+            self.forkrl.check_model(self.module, WAY_OUT, vision=_is_vlm(self.module))
+
     # ------------------------------------------------------------------ the override
     def forward_backward_batch(self, data, loss_function, forward_only: bool = False):
         """veRL's method: one mini-batch's forward and backward (or forward only) over one forest."""

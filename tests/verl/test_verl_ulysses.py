@@ -168,3 +168,30 @@ def test_two_ulysses_groups_equal_stock(tmp_path):
     ranks = run_on_ranks(_two_groups_rank, 4, str(path), init_group=False)
     for r in ranks:
         assert r["tree"] < 1e-4 and r["sumnorm"] < 1e-4 and r["change"] > 0, r
+
+
+def _refused_rank(path: str) -> str:
+    """Build a replay worker whose Ulysses group would split a sliding-window model's prompts: the
+    refusal's text (raised as veRL starts the worker, before any rollout), or "" if none."""
+    from forkrl.core import UnsupportedModelError
+    from forkrl.plugins.verl import testing as h
+
+    h.start()
+    config = h.actor_config(
+        {"long_context_replay": True}, ppo_mini_batch_size=8, ulysses_sequence_parallel_size=2
+    )
+    try:
+        h.worker(path, config)
+    except UnsupportedModelError as err:
+        return str(err)
+    return ""
+
+
+def test_a_model_the_group_cannot_split_is_refused_when_the_worker_starts(tmp_path):
+    """Sliding-window attention under long_context_replay with a Ulysses group: refused by the engine's
+    initialize (the model check), naming single-device replay and veRL's own engine."""
+    from forkrl.core.testing.models import byte_model, byte_tokenizer, save_pretrained
+
+    path = save_pretrained(byte_model("mistral-swa"), byte_tokenizer(), tmp_path / "model")
+    for text in run_on_ranks(_refused_rank, 2, str(path), init_group=False):
+        assert "sliding" in text and "forkrl.tree_packing=false" in text, text
