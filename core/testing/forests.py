@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..tree import PrefixForest
+
 
 def _rand(g, n, vocab):
     return torch.randint(0, vocab, (n,), generator=g).tolist()
@@ -49,3 +51,28 @@ def scored_shared(vocab=61, seed=2):
 
 
 FORESTS = {"grpo": grpo_group, "deep": deep_tree, "scored_shared": scored_shared}
+
+
+def late_scored_forest(
+    seed: int, prompts: tuple[tuple[int, int, int], ...], vocab: int = 61
+) -> tuple[PrefixForest, list[torch.Tensor], list[torch.Tensor]]:
+    """A forest of several prompts, each ``(P, G, late)``: ``G`` responses of uneven lengths, every
+    odd one scored from ``late`` tokens after its prompt; with float64 coefficients per scored token
+    for log-probs and (a tenth the size) entropies.
+
+    Returns:
+        ``(forest, coefficients, entropy_coefficients)``, one ``[len_i - score_from_i]`` tensor per
+        sequence in each list.
+    """
+    g = torch.Generator().manual_seed(seed)
+    seqs, score_from = [], []
+    for P, G, late in prompts:
+        prompt = _rand(g, P, vocab)
+        for i in range(G):
+            seqs.append(prompt + _rand(g, 2 + (i * 3) % 5, vocab))
+            score_from.append(P + (late if i % 2 else 0))
+    forest = PrefixForest.build(seqs, score_from)
+    sizes = [len(s) - f for s, f in zip(seqs, score_from, strict=True)]
+    coefs = [torch.randn(n, generator=g, dtype=torch.float64) for n in sizes]
+    ent_coefs = [0.1 * torch.randn(n, generator=g, dtype=torch.float64) for n in sizes]
+    return forest, coefs, ent_coefs

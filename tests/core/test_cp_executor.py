@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from forkrl.core import PrefixForest, TreeExecutor
 from forkrl.core.testing import Float64Mode
+from forkrl.core.testing.forests import late_scored_forest
 from forkrl.core.testing.models import grads, max_rel_err, tiny_causal_lm
 from forkrl.core.testing.ranks import run_on_ranks
 
@@ -23,18 +24,7 @@ TOL = 1e-10
 
 
 def _forest() -> tuple[PrefixForest, list[torch.Tensor], list[torch.Tensor]]:
-    g = torch.Generator().manual_seed(3)
-    seqs, score_from = [], []
-    for P, G, late in ((19, 4, 0), (12, 3, 2)):
-        prompt = torch.randint(0, 61, (P,), generator=g).tolist()
-        for i in range(G):
-            seqs.append(prompt + torch.randint(0, 61, (2 + (i * 3) % 5,), generator=g).tolist())
-            score_from.append(P + (late if i % 2 else 0))
-    forest = PrefixForest.build(seqs, score_from)
-    sizes = [len(s) - f for s, f in zip(seqs, score_from, strict=True)]
-    coefs = [torch.randn(n, generator=g, dtype=torch.float64) for n in sizes]
-    ent_coefs = [0.1 * torch.randn(n, generator=g, dtype=torch.float64) for n in sizes]
-    return forest, coefs, ent_coefs
+    return late_scored_forest(3, ((19, 4, 0), (12, 3, 2)))
 
 
 def _rank(schedule: str) -> dict:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from forkrl.core import PrefixForest, TreeExecutor
 from forkrl.core.testing import Float64Mode
+from forkrl.core.testing.forests import late_scored_forest
 from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err, tiny_causal_lm
 from forkrl.core.testing.ranks import run_on_ranks
 
@@ -109,17 +110,7 @@ def _forest_rank(name: str) -> dict:
     term, against single-device long-context replay of the same forest."""
     from forkrl.core.executor.cp_executor import ContextParallelExecutor
 
-    g = torch.Generator().manual_seed(5)
-    seqs, score_from = [], []
-    for P, G, late in ((17, 4, 0), (11, 3, 2)):
-        prompt = torch.randint(0, 61, (P,), generator=g).tolist()
-        for i in range(G):
-            seqs.append(prompt + torch.randint(0, 61, (2 + (i * 3) % 5,), generator=g).tolist())
-            score_from.append(P + (late if i % 2 else 0))
-    forest = PrefixForest.build(seqs, score_from)
-    sizes = [len(s) - f for s, f in zip(seqs, score_from, strict=True)]
-    coefs = [torch.randn(n, generator=g, dtype=torch.float64) for n in sizes]
-    ent_coefs = [0.1 * torch.randn(n, generator=g, dtype=torch.float64) for n in sizes]
+    forest, coefs, ent_coefs = late_scored_forest(5, ((17, 4, 0), (11, 3, 2)))
     with Float64Mode():
         model = tiny_causal_lm(name)
         want = TreeExecutor(model, mode="replay", block_size=4, prompt_grad="exact").backward(
