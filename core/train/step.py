@@ -235,14 +235,15 @@ class TreeStep:
         ``parallel.context_parallel``, also one whose prompts cannot be split over the group)."""
         replica = self._replica(model)
         target = replica.replica if replica is not None else model
-        executor = self.executor(target, self.score_mode)
+        # With a context-parallel group the executor that will run (it checks the model as it is built).
+        executor = self.executor(target, self.score_mode, parallel)
         executor.adapter.check_deterministic()
-        if replica is None:  # a sharded model's probe waits for its first gathered pass
+        if replica is None and isinstance(
+            executor, TreeExecutor
+        ):  # a sharded model's waits for its first pass
             executor.verify()
         if self.options.tree_mode == "packed":
             self.executor(target, "packed")
-        if parallel is not None and parallel.context_parallel is not None:
-            self.executor(target, "replay", parallel)  # the context-parallel executor checks the model
 
     def _replica(self, model: nn.Module) -> FSDP2Replica | AliasReplica | None:
         """The gathered replica of an FSDP2-sharded or ZeRO-3-partitioned model (built once), or

@@ -115,8 +115,8 @@ class TreeFSDPEngineWithLMHead(FSDPEngineWithLMHead):
         tree can run, or one the Ulysses group cannot split under ``long_context_replay``, is refused
         when the worker starts, before the first rollout."""
         super().initialize()
-        if self._tree_options.tree_enabled:
-            self.forkrl.check_model(self.module, WAY_OUT, vision=_is_vlm(self.module))
+        if self._tree_options.tree_enabled:  # images are checked per batch (_refuse: the FSDP-wrapped class)
+            self.forkrl.check_model(self.module, WAY_OUT)
 
     # ------------------------------------------------------------------ the override
     def forward_backward_batch(self, data, loss_function, forward_only: bool = False):
