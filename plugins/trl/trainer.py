@@ -170,22 +170,13 @@ class TreeTrainingMixin:
         size = self.args.long_context_cp_size
         if size == 1:
             return
-        engine = (
-            "DeepSpeed"
-            if getattr(self, "is_deepspeed_enabled", False)
-            else "FSDP"
-            if getattr(self, "is_fsdp_enabled", False)
-            else None
+        reasons = (
+            (getattr(self, "is_deepspeed_enabled", False), "DeepSpeed (tested under DDP only)"),
+            (getattr(self, "is_fsdp_enabled", False), "FSDP (tested under DDP only)"),
+            (self._is_vlm, "a vision-language model's images"),
+            (self.aux_loss_enabled, "a router aux loss (output_router_logits)"),
         )
-        why = (
-            f"{engine} (tested under DDP only)"
-            if engine
-            else "a vision-language model's images"
-            if self._is_vlm
-            else "a router aux loss (output_router_logits)"
-            if self.aux_loss_enabled
-            else None
-        )
+        why = next((text for applies, text in reasons if applies), None)
         if why is not None:
             raise ValueError(
                 f"long_context_cp_size={size} cannot split prompts with {why}: launch with plain DDP (accelerate "
