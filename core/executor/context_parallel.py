@@ -7,9 +7,9 @@ rank ``r`` keeps only the keys/values of its chunk (its *shard*) and their gradi
 replicated on every rank.
 
 Two schedules. ``schedule="parallel"`` (the default, :mod:`.cp_rounds`) computes the prompt on every
-rank at once: rounds of ``C * block_size`` positions, each rank a piece of each round, every rank's
-queries sent to the shards that hold earlier positions (all-gather) and the partials sent back
-(all-to-all). ``schedule="serial"`` runs contiguous chunks on their owners in turn; the responses run
+rank at once: rounds of ``C * block_size`` positions, each rank a piece of each round (two
+half-pieces, zigzag, so every rank does the same work at every layer), every rank's queries sent to
+the shards that hold earlier positions (all-gather) and the partials sent back (all-to-all). ``schedule="serial"`` runs contiguous chunks on their owners in turn; the responses run
 as below in both. What follows is the serial schedule's unit.
 
 Every forward runs on one rank, its *owner*, with forkrl's attention function ``forkrl_cp``
@@ -98,11 +98,10 @@ from torch import nn
 from .. import attention, compat
 from ..attention.split import _expand, _fold, _reduce, _unfold
 from ..collectives import all_reduce_buckets
-from ..errors import UnsupportedModelError
 from .cp_rounds import SINGLE_DEVICE as _SINGLE_DEVICE
 from .cp_rounds import Round, RoundAttention, chunk_bounds, rounds, served_backward, served_forward
 from .cp_rounds import kernels as _kernels
-from .cp_state import ATTENTION_KINDS, STATE_KINDS, StateCarry, schedule_for
+from .cp_state import ATTENTION_KINDS, StateCarry, check_model, schedule_for
 from .model import ModelAdapter
 
 __all__ = ["CP_ATTENTION", "ContextParallelReplay", "ContextParallelResult", "chunk_bounds"]
@@ -141,6 +140,16 @@ class _Unit:
     start: int  # position of its first token
     length: int
     grad: bool
+    spans: tuple[tuple[int, int], ...] = ()  # a round's piece: its spans (else one run from start)
+
+    @property
+    def end(self) -> int:
+        return self.spans[-1][1] if self.spans else self.start + self.length
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """``[1, length]`` the positions of its tokens."""
+        runs = self.spans or ((self.start, self.end),)
+        return torch.cat([torch.arange(a, b, device=device) for a, b in runs])[None]
 
 
 @dataclass
@@ -341,23 +350,6 @@ def cp_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _check_model(adapter: ModelAdapter) -> None:
-    kinds = sorted(set(adapter.layer_kinds) - {"full", *STATE_KINDS})
-    why = None
-    if kinds:
-        why = f"has cache layers of kind {kinds} (context-parallel replay runs layers that attend fully and conv/recurrent state layers)"
-    elif adapter.mla_modules:
-        why = "uses multi-head latent attention"
-    elif getattr(adapter.config, "attn_logit_softcapping", None) is not None:
-        why = "softcaps its attention logits"
-    elif adapter.has_dropout():
-        why = "draws dropout masks in this mode (call model.eval() or set the dropout to 0)"
-    if why is not None:
-        raise UnsupportedModelError(
-            f"{adapter.name} {why}, so it cannot run context-parallel replay: use {_SINGLE_DEVICE}"
-        )
-
-
 class ContextParallelReplay:
     """Long-context replay of one prompt and its responses over a context-parallel process group.
 
@@ -369,7 +361,8 @@ class ContextParallelReplay:
         group: the context-parallel process group (None: the default group).
         block_size: the longest span a rank forwards at once (None: its whole chunk).
         schedule: ``"parallel"``: every rank computes its part of the prompt at the same time
-            (:mod:`.cp_rounds`: rounds of ``C * block_size`` positions, each rank a piece of each);
+            (:mod:`.cp_rounds`: rounds of ``C * block_size`` positions, each rank two half-pieces
+            of each);
             ``"serial"``: contiguous chunks, computed by their owners in turn while the others serve
             (the group's memory, not its speed, grows with ``C``).
         prompt_grad: ``"exact"``: the reverse replay gives the prompt its gradient; ``"none"``: the
@@ -407,7 +400,7 @@ class ContextParallelReplay:
             raise ValueError(f"temperature={temperature!r} must be a positive finite number")
         self.model = model
         self.adapter = ModelAdapter(model)
-        _check_model(self.adapter)
+        check_model(self.adapter)
         self.group = group
         self.block_size = block_size
         self.prompt_grad = prompt_grad
@@ -501,7 +494,7 @@ class ContextParallelReplay:
             entropies=[ent for _, ent in results] if entropy_coefficients is not None else None,
             shard_bytes=nbytes(session.keys) + nbytes(session.values),
             shard_grad_bytes=grad_bytes,
-            pieces=[rd.pieces[rank] for rd in session.layout]
+            pieces=[span for rd in session.layout for span in rd.pieces[rank]]
             or [(session.bounds[rank], session.bounds[rank + 1])],
             state_bytes_sent=session.carry.bytes_sent,
         )
@@ -530,10 +523,11 @@ class ContextParallelReplay:
         its piece of each round at once; serial, each chunk's blocks on their owner in turn."""
         order = reversed if grad else list
         for rd in order(s.layout):
-            a, b = rd.pieces[s.rank]
+            spans = rd.pieces[s.rank]
             s.round = rd  # its attention is RoundAttention
             try:
-                self._unit(s, _Unit(s.rank, a, b - a, grad=grad), prompt[a:b])
+                ids = torch.cat([prompt[a:b] for a, b in spans])
+                self._unit(s, _Unit(s.rank, spans[0][0], len(ids), grad, spans), ids)
             finally:
                 s.round = None
         if s.layout:
@@ -575,7 +569,7 @@ class ContextParallelReplay:
             s.unit = None
             return []
         ids = ids.to(self.device).unsqueeze(0)
-        pos = torch.arange(unit.start, unit.start + unit.length, device=self.device).unsqueeze(0)
+        pos = unit.positions(self.device)
         prompt_block = unit.start < s.bounds[-1]
         cache = s.carry.enter(unit.start, prompt_block, unit.grad)  # None: no state layers
         with torch.set_grad_enabled(unit.grad):
@@ -591,7 +585,7 @@ class ContextParallelReplay:
                 for layer, (k, v) in recorded.items():
                     s.keys[layer][:, :, a:b] = k.detach()
                     s.values[layer][:, :, a:b] = v.detach()
-                if unit.start + unit.length == s.bounds[-1]:
+                if unit.end == s.bounds[-1]:
                     s.last_hidden = hidden[0, -1].detach().contiguous()
                 s.carry.leave(cache)
             else:
@@ -632,7 +626,7 @@ class ContextParallelReplay:
     def _session(self, cached: int, rank: int, world: int) -> _Session:
         layout = rounds(cached, world, self.block_size) if self.schedule == "parallel" else []
         if layout:  # shard sizes: each rank's pieces; responses see every shard whole either way
-            sizes = [sum(rd.pieces[r][1] - rd.pieces[r][0] for rd in layout) for r in range(world)]
+            sizes = [sum(rd.length(r) for rd in layout) for r in range(world)]
             bounds = [0]
             for size in sizes:
                 bounds.append(bounds[-1] + size)

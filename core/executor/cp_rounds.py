@@ -1,18 +1,21 @@
 """The parallel schedule of context-parallel replay: every rank computes its part of the prompt at once.
 
 :class:`~forkrl.core.executor.context_parallel.ContextParallelReplay` with ``schedule="parallel"``
-splits the cached prompt into *rounds* of ``C * block`` positions (``C`` ranks), and each round into
-``C`` contiguous *pieces*, piece ``r`` on rank ``r``. A rank's *shard* is its pieces of every round,
-in position order. In the prefill (rounds in order, no grad) and the reverse replay (rounds in
-reverse order, with grad) all ranks forward their piece of a round at the same time, layer by layer.
-At each layer a rank's queries attend to
+splits the cached prompt into *rounds* of ``C * block`` positions (``C`` ranks), each round into
+``2C`` contiguous *half-pieces*, and gives rank ``r`` the half-pieces ``r`` and ``2C - 1 - r``
+(zigzag, as ring attention balances causal work): its *piece* of the round, one run of positions
+with a gap. A rank's *shard* is its pieces of every round, in position order. In the prefill (rounds
+in order, no grad) and the reverse replay (rounds in reverse order, with grad) all ranks forward
+their piece of a round at the same time, layer by layer. At each layer a rank's queries attend to
 
-- its own piece, causally (computed locally), and
-- every position before its piece: the earlier rounds on every rank, and the earlier pieces of this
-  round. These keys stay where they are; the queries travel. The round's (folded, padded) queries are
-  all-gathered; each rank attends every rank's queries to the part of its own shard that lies before
-  them (one unmasked flash call per query rank) and sends each partial ``(out, lse)`` back to its
-  query's rank (all-to-all), which merges them with its causal part by their log-sum-exp.
+- its own piece, causally (computed locally: the later half's positions follow the earlier half's,
+  so a causal mask over the piece's run is exactly its own part), and
+- every other position before them: the earlier rounds on every rank, and the other ranks'
+  half-pieces of this round that come earlier. These keys stay where they are; the queries travel.
+  The round's (folded, padded) queries are all-gathered; each rank attends every rank's queries to
+  the part of its own shard that lies before them (an unmasked flash call per query half, one where
+  both halves see the same part) and sends each partial ``(out, lse)`` back to its query's rank
+  (all-to-all), which merges them with its causal part by their log-sum-exp.
 
 Backward mirrors it: ``(dout, out, lse)`` is all-gathered; each rank runs the flash backward of its
 partials, which gives the gradient of its *own* keys/values locally (nothing of the size of the cache
@@ -21,16 +24,17 @@ travels) and its shares of every rank's query gradient, sent back all-to-all and
 Why the gradient is exact with rounds in reverse order: a piece's keys/values are read by later
 positions only. Before round ``k`` replays, every later round has replayed and the responses have
 run, so the gradient its keys/values received from them sits complete in the gradient shard; that is
-the seed its backward starts from. The gradient from the later pieces of round ``k`` itself arrives
-inside the same backward: the rank holding the piece computes it (its served partials) at each layer
-and returns it as the gradient of the piece's keys/values. A round is layer-synchronous, so every
-rank issues the same collectives in the same order (two per layer forward, two backward), whatever
-its responses.
+the seed its backward starts from. The gradient from the later half-pieces of round ``k`` itself
+arrives inside the same backward: the rank holding the keys computes it (its served partials) at each
+layer and returns it as the gradient of the piece's keys/values. A round is layer-synchronous, so
+every rank issues the same collectives in the same order (two per layer forward, two backward),
+whatever its responses.
 
-Load balance: every rank holds ``1/C`` of every stretch of the prompt (a striped layout), so the
-attention to earlier rounds, the bulk at long context, splits evenly; within a round the rank holding
-an earlier piece serves the later pieces' queries over it, and odd rounds reverse the pieces' rank
-order (zigzag) so that this extra work alternates between the ranks.
+Load balance, at every layer of every round (the group waits for its busiest rank at each
+collective): every rank holds ``1/C`` of every earlier stretch of the prompt, so the attention to
+earlier rounds, the bulk at long context, splits evenly; within the round, half-piece ``j``'s keys
+are read by the ``2C - 1 - j`` later half-pieces, so rank ``r`` serves ``(2C - 1 - r) + r = 2C - 1``
+half-piece pairs besides its own two causal ones, the same on every rank.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from .. import attention
 from ..attention.split import _expand, _fold, _reduce, _unfold
 from ..errors import UnsupportedModelError
 
-__all__ = ["Round", "chunk_bounds", "rounds", "served_backward", "served_forward"]
+__all__ = ["Round", "Span", "chunk_bounds", "rounds", "served_backward", "served_forward"]
 
 SINGLE_DEVICE = "TreeExecutor(model, mode='replay', prompt_grad='exact') (single-device long-context replay)"
 
@@ -63,31 +67,44 @@ def chunk_bounds(length: int, world: int) -> list[int]:
     return bounds
 
 
+Span = tuple[int, int]
+
+
 @dataclass(frozen=True)
 class Round:
     """One round of the parallel schedule.
 
     Attributes:
-        pieces: per rank, the ``(start, end)`` prompt positions it computes in this round (non-empty).
+        pieces: per rank, the ``(start, end)`` prompt spans it computes in this round, in position
+            order: its two half-pieces (one where the rank's share is a single position).
         offsets: per rank, where this round's piece begins in that rank's shard.
     """
 
-    pieces: tuple[tuple[int, int], ...]
+    pieces: tuple[tuple[Span, ...], ...]
     offsets: tuple[int, ...]
+
+    def length(self, rank: int) -> int:
+        """Positions ``rank`` computes in this round."""
+        return sum(b - a for a, b in self.pieces[rank])
 
     @property
     def longest(self) -> int:
-        return max(b - a for a, b in self.pieces)
+        return max(self.length(r) for r in range(len(self.pieces)))
 
-    def visible(self, server: int, reader: int) -> int:
-        """How many positions of ``server``'s shard lie before ``reader``'s piece of this round."""
-        a, b = self.pieces[server]
-        return self.offsets[server] + (b - a if a < self.pieces[reader][0] else 0)
+    def visible(self, server: int, reader: int) -> list[int]:
+        """Per span of ``reader``'s piece, how many positions of ``server``'s shard lie before it
+        that ``server`` serves (its own piece's are the reader's causal part when it reads itself)."""
+        if server == reader:
+            return [self.offsets[server]] * len(self.pieces[reader])
+        return [
+            self.offsets[server] + sum(b - a for a, b in self.pieces[server] if a < start)
+            for start, _ in self.pieces[reader]
+        ]
 
     @property
     def last(self) -> int:
         """The rank whose piece ends the round."""
-        return max(range(len(self.pieces)), key=lambda r: self.pieces[r][1])
+        return max(range(len(self.pieces)), key=lambda r: self.pieces[r][-1][1])
 
 
 def rounds(cached: int, world: int, block: int | None) -> list[Round]:
@@ -95,8 +112,8 @@ def rounds(cached: int, world: int, block: int | None) -> list[Round]:
 
     Every piece is non-empty (at most ``cached // world`` rounds), so every rank runs every round; a
     round's odd positions go to the ranks holding fewest so far, so shards differ by at most one.
-    Odd rounds lay their pieces out in reverse rank order (zigzag): the rank that serves the round's
-    later pieces in one round is served in the next, so the in-round work evens out.
+    Each rank's share of a round is cut in two halves laid out zigzag (module docstring): ranks
+    ``0 .. C-1`` take the round's first halves in order, ranks ``C-1 .. 0`` its second halves.
     """
     per_round = world * block if block else cached
     count = max(1, min(-(-cached // per_round), cached // world))
@@ -105,12 +122,16 @@ def rounds(cached: int, world: int, block: int | None) -> list[Round]:
     for a, b in zip(edges, edges[1:], strict=False):
         base, extra = divmod(b - a, world)
         plus = set(sorted(range(world), key=lambda r: (held[r], r))[:extra])
-        pieces, start = [None] * world, a
-        for r in range(world) if len(out) % 2 == 0 else reversed(range(world)):
-            pieces[r] = (start, start + base + (r in plus))
-            start = pieces[r][1]
-        out.append(Round(tuple(pieces), tuple(held)))
-        held = [h + (q - p) for h, (p, q) in zip(held, pieces, strict=True)]
+        sizes = [base + (r in plus) for r in range(world)]
+        halves = [(n - n // 2, n // 2) for n in sizes]
+        spans: list[list[Span]] = [[] for _ in range(world)]
+        start = a
+        for r, half in [(r, 0) for r in range(world)] + [(r, 1) for r in reversed(range(world))]:
+            if halves[r][half]:
+                spans[r].append((start, start + halves[r][half]))
+                start += halves[r][half]
+        out.append(Round(tuple(tuple(x) for x in spans), tuple(held)))
+        held = [h + n for h, n in zip(held, sizes, strict=True)]
     return out
 
 
@@ -170,12 +191,71 @@ def _padded(t: torch.Tensor, m: int) -> torch.Tensor:
     return torch.cat([t, pad], 2)
 
 
+def _rows(t: torch.Tensor, rep: int, m: int, a: int, b: int) -> torch.Tensor:
+    """Rows ``[a, b)`` of every query head's run of a folded, padded ``[1, kv, rep * m, w]``:
+    ``[1, kv, rep * (b - a), w]`` (one sequence: the fold is head-major, ``m`` rows per head)."""
+    kv, w = t.shape[1], t.shape[-1]
+    return t.reshape(1, kv, rep, m, w)[:, :, :, a:b].reshape(1, kv, rep * (b - a), w)
+
+
+def _runs(spans: tuple[Span, ...], visible: list[int]) -> list[tuple[int, int, int]]:
+    """``(first row, end row, visible positions)`` of a reader's query rows per distinct visibility:
+    one run when every span sees the same part of the server's shard, else one per span."""
+    if len(set(visible)) == 1:
+        return [(0, -1, visible[0])]  # -1: every row, the padding included
+    out, row = [], 0
+    for (a, b), n in zip(spans, visible, strict=True):
+        out.append((row, row + b - a, n))
+        row += b - a
+    return out
+
+
+def _serve(
+    s, layer: int, q_fold: torch.Tensor, spans, visible, scale: float, rep: int, m: int
+) -> torch.Tensor:
+    """:func:`served_forward` of a reader's folded queries ``[1, kv, rep * m, d]``, per run of
+    :func:`_runs`: the partial ``[1, kv, rep * m, d + 1]`` (padding rows: zeros, ``-inf``)."""
+    keys, values, pd = s.keys[layer], s.values[layer], s.pack_dtype
+    runs = _runs(spans, visible)
+    if runs[0][1] == -1:
+        return served_forward(keys, values, q_fold, runs[0][2], scale, pd)
+    kv, d = q_fold.shape[1], q_fold.shape[-1]
+    out = torch.zeros(1, kv, rep, m, d + 1, dtype=pd, device=q_fold.device)
+    out[..., d] = -math.inf
+    for a, b, n in runs:
+        part = served_forward(keys, values, _rows(q_fold, rep, m, a, b), n, scale, pd)
+        out[:, :, :, a:b] = part.reshape(1, kv, rep, b - a, d + 1)
+    return out.reshape(1, kv, rep * m, d + 1)
+
+
+def _serve_backward(
+    s, layer: int, q_fold: torch.Tensor, pack: torch.Tensor, spans, visible, scale: float, rep: int, m: int
+):
+    """The backward of :func:`_serve`: the reader's query gradient share ``[1, kv, rep * m, d]`` and,
+    per run, ``(n, dk, dv)`` the gradient of this shard's first ``n`` positions (None where n == 0)."""
+    keys, values = s.keys[layer], s.values[layer]
+    runs = _runs(spans, visible)
+    if runs[0][1] == -1:
+        dq, dk, dv = served_backward(keys, values, q_fold, pack, runs[0][2], scale)
+        return dq, [(runs[0][2], dk, dv)]
+    kv, d = q_fold.shape[1], q_fold.shape[-1]
+    dq = torch.zeros(1, kv, rep, m, d, dtype=q_fold.dtype, device=q_fold.device)
+    grads = []
+    for a, b, n in runs:
+        q_i, pack_i = _rows(q_fold, rep, m, a, b), _rows(pack, rep, m, a, b)
+        dq_i, dk, dv = served_backward(keys, values, q_i, pack_i, n, scale)
+        dq[:, :, :, a:b] = dq_i.reshape(1, kv, rep, b - a, d)
+        grads.append((n, dk, dv))
+    return dq.reshape(1, kv, rep * m, d), grads
+
+
 class RoundAttention(torch.autograd.Function):
     """One layer's attention of this rank's piece of a round (module docstring), with every rank.
 
     ``session`` is the pass's state (:class:`~forkrl.core.executor.context_parallel._Session`):
     its group, rank, shards (``keys``/``values``, ``key_grads``/``value_grads`` per layer
-    ``[1, kv, S, d]``), compute and pack dtypes, and the current ``round``.
+    ``[1, kv, S, d]``), compute and pack dtypes, and the current ``round``. ``q``: ``[1, H, n, d]``,
+    ``k``, ``v``: ``[1, kv, n, d]``, the piece's ``n`` positions (its spans, concatenated).
     """
 
     @staticmethod
@@ -195,18 +275,10 @@ class RoundAttention(torch.autograd.Function):
         # While the queries travel: this piece's causal part and its own queries' served part.
         out, lse = kernels(q)[0](q, _expand(k, rep), _expand(v, rep), 0.0, True, scale=scale)
         out, lse = out.to(s.pack_dtype), lse.to(s.pack_dtype)
-        own = served_forward(
-            s.keys[layer], s.values[layer], mine, rd.visible(s.rank, s.rank), scale, s.pack_dtype
-        )
+        serve = lambda j, q_j: _serve(s, layer, q_j, rd.pieces[j], rd.visible(s.rank, j), scale, rep, m)  # noqa: E731
+        own = serve(s.rank, mine)
         gathering.wait()
-        parts = [
-            own
-            if j == s.rank
-            else served_forward(
-                s.keys[layer], s.values[layer], queries[j], rd.visible(s.rank, j), scale, s.pack_dtype
-            )
-            for j in range(s.world)
-        ]
+        parts = [own if j == s.rank else serve(j, queries[j]) for j in range(s.world)]
         received = [torch.empty_like(parts[0]) for _ in range(s.world)]
         dist.all_to_all(received, parts, group=s.group)
         for p in received:  # rank order on every rank: the same rounding whatever the layout
@@ -249,20 +321,20 @@ class RoundAttention(torch.autograd.Function):
         off = rd.offsets[s.rank]
         shares = []
         for j in range(s.world):
-            vis = rd.visible(s.rank, j)
-            dq_j, dk_j, dv_j = served_backward(
-                s.keys[layer], s.values[layer], queries[j], packs[j], vis, scale
-            )
-            if dk_j is not None:
+            spans, visible = rd.pieces[j], rd.visible(s.rank, j)
+            dq_j, grads = _serve_backward(s, layer, queries[j], packs[j], spans, visible, scale, rep, m)
+            for vis, dk_j, dv_j in grads:
+                if dk_j is None:
+                    continue
                 earlier = min(vis, off)  # earlier rounds: their replay comes later, from the shard
                 if earlier:
                     s.key_grads[layer][:, :, :earlier] += dk_j[:, :, :earlier].to(s.key_grads[layer].dtype)
                     s.value_grads[layer][:, :, :earlier] += dv_j[:, :, :earlier].to(
                         s.value_grads[layer].dtype
                     )
-                if vis > off:  # this piece, read by a later piece of the round: its gradient now
-                    dk = dk + dk_j[:, :, off:vis].to(dk.dtype)
-                    dv = dv + dv_j[:, :, off:vis].to(dv.dtype)
+                if vis > off:  # this piece's first vis - off positions, read by a later half-piece
+                    dk[:, :, : vis - off] += dk_j[:, :, off:vis].to(dk.dtype)
+                    dv[:, :, : vis - off] += dv_j[:, :, off:vis].to(dv.dtype)
             shares.append(dq_j.contiguous())
         received = [torch.empty_like(shares[0]) for _ in range(s.world)]
         dist.all_to_all(received, shares, group=s.group)

@@ -37,9 +37,11 @@ import torch
 import torch.distributed as dist
 
 from .. import compat
+from ..errors import UnsupportedModelError
 from .cache import RecordingMixedLayer, _CarryingLayer, _state_layer, recorded
+from .cp_rounds import SINGLE_DEVICE
 
-__all__ = ["ATTENTION_KINDS", "STATE_KINDS", "StateCarry", "schedule_for"]
+__all__ = ["ATTENTION_KINDS", "STATE_KINDS", "StateCarry", "check_model", "schedule_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,25 @@ def schedule_for(adapter, schedule: str) -> str:
         )
         return "serial"
     return schedule
+
+
+def check_model(adapter) -> None:
+    """Refuse (:class:`UnsupportedModelError`, naming single-device replay) a model whose layers
+    context-parallel replay cannot split: sliding windows, latent attention, softcapping, dropout."""
+    kinds = sorted(set(adapter.layer_kinds) - {"full", *STATE_KINDS})
+    why = None
+    if kinds:
+        why = f"has cache layers of kind {kinds} (context-parallel replay runs layers that attend fully and conv/recurrent state layers)"
+    elif adapter.mla_modules:
+        why = "uses multi-head latent attention"
+    elif getattr(adapter.config, "attn_logit_softcapping", None) is not None:
+        why = "softcaps its attention logits"
+    elif adapter.has_dropout():
+        why = "draws dropout masks in this mode (call model.eval() or set the dropout to 0)"
+    if why is not None:
+        raise UnsupportedModelError(
+            f"{adapter.name} {why}, so it cannot run context-parallel replay: use {SINGLE_DEVICE}"
+        )
 
 
 class _OwnKeysLayer(_CarryingLayer):

@@ -129,6 +129,40 @@ def test_chunk_bounds_split_unevenly_by_at_most_one():
     assert chunk_bounds(8, 2) == [0, 4, 8]
 
 
+@pytest.mark.parametrize(
+    "cached, world, block", [(21, 2, 4), (22, 4, 3), (4096, 2, 512), (4096, 4, 256), (9, 4, 1)]
+)
+def test_rounds_cover_the_prompt_once_and_balance_every_round(cached, world, block):
+    """The parallel schedule's layout: every position in one span, shards differing by at most one,
+    a rank's spans in position order in its shard, ``visible`` equal to a count of the server's
+    shard positions before each span, and (rounds of ``2C`` equal half-pieces) the same attention
+    work on every rank in every round: the group waits for its busiest rank at each layer."""
+    from forkrl.core.executor.cp_rounds import rounds
+
+    layout = rounds(cached, world, block)
+    spans = sorted(span for rd in layout for piece in rd.pieces for span in piece)
+    assert [p for a, b in spans for p in range(a, b)] == list(range(cached))
+    held = [sum(rd.length(r) for rd in layout) for r in range(world)]
+    assert max(held) - min(held) <= 1, held
+    shard = {r: [p for rd in layout for a, b in rd.pieces[r] for p in range(a, b)] for r in range(world)}
+    for rd in layout:
+        for server in range(world):
+            assert shard[server][rd.offsets[server]] == rd.pieces[server][0][0]
+            for reader in range(world):
+                starts = [a for a, _ in rd.pieces[reader]]
+                if server == reader:  # its own piece is its causal part; served: earlier rounds
+                    want = [rd.offsets[server]] * len(starts)
+                else:
+                    want = [sum(p < a for p in shard[server]) for a in starts]
+                assert rd.visible(server, reader) == want
+        end = rd.pieces[rd.last][-1][1]
+        work = []  # (query, key) pairs whose keys this rank holds, within the round
+        for r in range(world):
+            work.append(sum(end - p for a, b in rd.pieces[r] for p in range(a, b)))
+        if all(rd.length(r) % 2 == 0 for r in range(world)) and len(set(map(rd.length, range(world)))) == 1:
+            assert len(set(work)) == 1, (rd, work)
+
+
 def _benchmark(*args: str) -> dict:
     """The last JSON line of ``benchmarks.long_context_cp`` run with ``args``."""
     import json
