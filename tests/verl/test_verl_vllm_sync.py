@@ -26,14 +26,20 @@ def _run(tmp_path: Path, *flags: str) -> dict:
     return json.loads(out.read_text())
 
 
-def test_verls_sync_resyncs_forkrls_drafter(tmp_path):
-    r = _run(tmp_path)
+@pytest.fixture(scope="module")
+def synced(tmp_path_factory) -> dict:
+    return _run(tmp_path_factory.mktemp("synced"))
+
+
+def test_verls_sync_resyncs_forkrls_drafter(synced):
+    r = synced
     assert all(r["drafter_matches_w1"].values())
     assert r["greedy1"] == r["fresh1"] != r["greedy0"]
     assert r["counts1"] == r["fresh1_counts"] and r["counts1"]["accepted"] > 0
 
 
-def test_without_the_mirror_the_drafter_is_stale_after_verls_sync(tmp_path):
+def test_without_the_mirror_the_drafter_is_stale_after_verls_sync(synced, tmp_path):
+    """Against the engine started from W1 in the run above (``--no-mirror`` starts none)."""
     r = _run(tmp_path, "--no-mirror")
     assert not all(r["drafter_matches_w1"].values())
-    assert r["counts1"] != r["fresh1_counts"]
+    assert r["counts1"] != synced["fresh1_counts"]

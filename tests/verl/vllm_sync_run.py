@@ -10,7 +10,8 @@ that extension's own code: ``_update_weights`` (what veRL's receiver calls for e
 receives), then its step 3, vLLM's ``process_weights_after_loading`` for every model veRL syncs.
 Stand-in, test-only: the tensors are handed over directly, not through veRL's bucketed
 shared-memory transport (its ZeroMQ sender lives in veRL's trainer process). Then an engine started
-from W1 (what the synced engine must draft and accept). Writes one JSON object.
+from W1 (what the synced engine must draft and accept); not with ``--no-mirror``, whose test
+compares with the first run's (greedy: the same counts in every process). Writes one JSON object.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def main() -> None:
     result["greedy1"], result["counts1"] = run.generate(llm)
     result["drafter_matches_w1"] = run.drafter_matches(run.runner_of(llm), states[1])
     run.close(llm)
+    if "--no-mirror" in sys.argv:
+        out.write_text(json.dumps(result))
+        return
     llm = run.engine(w1, speculative=True)
     result["fresh1"], result["fresh1_counts"] = run.generate(llm)
     run.close(llm)
