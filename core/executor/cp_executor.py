@@ -77,8 +77,7 @@ class ContextParallelExecutor:
 
     @property
     def dtype(self) -> torch.dtype:
-        dt = self.replay.adapter.head.weight.dtype
-        return dt if dt in (torch.float32, torch.float64) else torch.float32
+        return self.replay.adapter.values_dtype
 
     @property
     def adapter(self):

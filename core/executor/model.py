@@ -131,6 +131,13 @@ class ModelAdapter:
         return type(self.base).__name__
 
     @property
+    def values_dtype(self) -> torch.dtype:
+        """The dtype of the log-probs and entropies an executor returns: the head's for float32/float64,
+        float32 for half types."""
+        dt = self.head.weight.dtype
+        return dt if dt in (torch.float32, torch.float64) else torch.float32
+
+    @property
     def vocab_size(self) -> int:
         """Token ids must be below this: the rows of the input embedding and of the LM head."""
         rows = [self.head.weight.shape[0]]

@@ -304,8 +304,7 @@ class TreeExecutor:
     @property
     def dtype(self) -> torch.dtype:
         """The dtype of the values it returns: the model's for float32/float64, float32 for half types."""
-        dt = self.adapter.head.weight.dtype
-        return dt if dt in (torch.float32, torch.float64) else torch.float32
+        return self.adapter.values_dtype
 
     # ------------------------------------------------------------------ internals
     def _static(self, forest, grad_logprobs, grad_entropies) -> StaticCoefficients:
