@@ -9,6 +9,8 @@ quantization of the final policy, layer by layer."""
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +25,14 @@ pytestmark = pytest.mark.slow  # TRL's GRPO through a vLLM engine
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def free_port_env() -> dict[str, str]:
+    """This environment with ``MASTER_PORT`` on a free port: TRL's colocated engine joins a one-rank
+    group at ``MASTER_PORT`` (else 29500), and scripts/test.sh runs other suites beside this one."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return {**os.environ, "MASTER_PORT": str(s.getsockname()[1])}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     """Each mode's run, started on first use."""
@@ -33,7 +43,7 @@ def runs(tmp_path_factory) -> dict:
             out = tmp_path_factory.mktemp(mode) / "out.json"
             proc = subprocess.run(
                 [sys.executable, "-m", "tests.trl_vllm.colocate_run", mode, str(out)],
-                cwd=ROOT, capture_output=True, text=True, timeout=900,
+                cwd=ROOT, capture_output=True, text=True, timeout=900, env=free_port_env(),
             )  # fmt: skip
             assert proc.returncode == 0, proc.stderr[-5000:]
             done[mode] = {"mode": mode, **json.loads(out.read_text())}
