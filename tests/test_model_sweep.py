@@ -87,15 +87,21 @@ def test_table_builds_architectures_the_generic_sizes_miss(float64_sweep):
 
 def test_bf16_mode_runs_the_precision_criterion():
     """Under bf16 autocast and on bf16 weights the tree is a bf16 computation as accurate as stock
-    (Bf16Rounding.check_follows(near=1.5) on all log-probs and all gradients), per mode."""
-    for precision in ("bf16", "bf16-weights"):
-        rows = _sweep(
-            "--only", "llama,qwen3_moe,lfm2" if precision == "bf16" else "llama", "--precision", precision
+    (Bf16Rounding.check_follows(near=1.5) on all log-probs and all gradients), per mode. The two
+    sweeps run side by side (one core each, as the float64 sweep's halves)."""
+    precisions = ("bf16", "bf16-weights")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        sweeps = pool.map(
+            lambda precision: _sweep(
+                "--only", "llama,qwen3_moe,lfm2" if precision == "bf16" else "llama", "--precision", precision
+            ),
+            precisions,
         )
-        for name, row in rows.items():
-            assert row["status"] == "pass", (precision, name, row)
-            for mode in row["modes"].values():
-                assert 0.5 <= mode["grad_off"] <= 1.5 and mode["grad_near"] < 1.5, (precision, name, mode)
+        for precision, rows in zip(precisions, sweeps, strict=True):
+            for name, row in rows.items():
+                assert row["status"] == "pass", (precision, name, row)
+                for mode in row["modes"].values():
+                    assert 0.5 <= mode["grad_off"] <= 1.5 and mode["grad_near"] < 1.5, (precision, name, mode)
 
 
 def test_every_architecture_is_exact_or_refused(float64_sweep):
