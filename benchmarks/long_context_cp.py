@@ -74,27 +74,31 @@ def comm_bytes(
     layers, heads, d, b (compute dtype bytes), pb (pack dtype bytes); ``responses``: each rank's
     response lengths).
 
-    Serial: every chunk is a served unit twice (prefill, replay with grad), on its owner. Parallel:
-    per round and layer the other ranks' padded queries and partials (all-gather, all-to-all), in the
-    replay also their ``(dout, out, lse)`` packs and query-gradient shares. Responses: served units
-    of ``R + 1`` tokens in both.
+    Serial: every chunk is a served unit twice (prefill, replay with grad), on its owner, and every
+    response a served unit of ``R + 1`` tokens. Parallel: per round and layer the other ranks' padded
+    queries and partials (all-gather, all-to-all), in the replay also their ``(dout, out, lse)`` packs
+    and query-gradient shares; the responses in rounds too (every rank its ``i``-th), padded to the
+    round's longest.
     """
     from forkrl.core.executor.cp_rounds import chunk_bounds, rounds
 
     world, heads, d, b, pb = (shape[k] for k in ("world", "heads", "d", "b", "pb"))
     unit = lambda n, owner, grad: _unit_bytes(n, owner, grad, world, heads, d, b, pb)  # noqa: E731
-    total = sum(unit(n + 1, o == rank, True) for o, lengths in enumerate(responses) for n in lengths)
+    fwd = lambda longest: (world - 1) * longest * heads * (d * b + (d + 1) * pb)  # noqa: E731
+    bwd = lambda longest: (world - 1) * longest * heads * ((2 * d + 1) * pb + d * b)  # noqa: E731
+    total = 0
     if schedule == "serial":
+        total += sum(unit(n + 1, o == rank, True) for o, lengths in enumerate(responses) for n in lengths)
         bounds = chunk_bounds(cached, world)
         for o in range(world):
             n = bounds[o + 1] - bounds[o]
             total += unit(n, o == rank, False) + unit(n, o == rank, True)
     else:
         for rd in rounds(cached, world, block):
-            rows = rd.longest * heads
-            fwd = (world - 1) * rows * (d * b + (d + 1) * pb)
-            bwd = (world - 1) * rows * ((2 * d + 1) * pb + d * b)
-            total += 2 * fwd + bwd  # prefill forward, replay forward and backward
+            total += 2 * fwd(rd.longest) + bwd(rd.longest)  # prefill forward, replay forward and backward
+        for i in range(max(map(len, responses))):  # rounds of responses: every rank its i-th (+ 1 token)
+            longest = max(lengths[i] + 1 for lengths in responses if i < len(lengths))
+            total += fwd(longest) + bwd(longest)
     return shape["layers"] * total
 
 

@@ -33,6 +33,7 @@ Steps of :meth:`ContextParallelReplay.backward` (one *unit* = one block of a chu
 2. **Responses** (with grad), each run by the rank that passed it (one at a time), with the last
    prompt token in front (its row predicts the first response token; the cached prompt is the
    first ``P - 1`` tokens). Its head gradient and its shards' key/value gradient follow at once.
+   (The parallel schedule runs every rank's ``i``-th response at once, a round of responses.)
 3. **Reverse replay** (``prompt_grad="exact"``): the blocks in reverse position order, the last
    chunk's first, each re-forwarded with grad on its owner and backpropagated with the gradient its
    keys/values accumulated (from the responses and from every later block); the gradient of the
@@ -73,7 +74,7 @@ cache. Serial: the ranks serve in turn (an owner computes, the others serve its 
 time is single-device replay's plus the collectives. Parallel: per round and layer, the round's
 queries ``C * n*H*d`` all-gathered and ``C * n*H*(d+1)`` partials exchanged all-to-all (backward
 ``C * n*H*(2d+1)`` and ``C * n*H*d``), with ``n`` a piece (``block_size``); the compute splits ``C``
-ways (the responses still run one at a time).
+ways (the responses too: each rank runs its own, every rank's ``i``-th at once).
 
 Supported models: decoders whose attention layers all attend fully (Llama, Qwen2/3, Mistral
 without a sliding window, ...; MHA, GQA, MQA), and hybrid and recurrent ones (Qwen3-Next's linear
@@ -96,11 +97,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import attention, compat
-from ..attention.split import _expand, _fold, _reduce, _unfold
 from ..collectives import all_reduce_buckets
 from .cp_rounds import SINGLE_DEVICE as _SINGLE_DEVICE
-from .cp_rounds import Round, RoundAttention, chunk_bounds, rounds, served_backward, served_forward
-from .cp_rounds import kernels as _kernels
+from .cp_rounds import Round, RoundAttention, chunk_bounds, rounds, serve_round
+from .cp_served import ServedAttention, serve
 from .cp_state import ATTENTION_KINDS, StateCarry, check_model, schedule_for
 from .model import ModelAdapter
 
@@ -215,97 +215,6 @@ class _Session:
         """Folded ``[1, kv, n * H / kv, width]`` of the current unit."""
         return 1, self.kv_heads, self.unit.length * (self.heads // self.kv_heads), width
 
-    # ------------------------------------------------------------------ served partials (every rank)
-    def partial_forward(self, layer: int, q_fold: torch.Tensor, scale: float) -> torch.Tensor:
-        """``[1, kv, m, d + 1]``: this rank's partial ``(out, lse)`` of folded queries over its
-        visible shard (zeros and ``-inf`` where nothing is visible)."""
-        return served_forward(
-            self.keys[layer], self.values[layer], q_fold, self.visible(), scale, self.pack_dtype
-        )
-
-    def partial_backward(
-        self, layer: int, q_fold: torch.Tensor, pack: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        """This rank's share of the query gradient ``[1, kv, m, d]``; its shard's key/value gradient
-        is added to its gradient shard here (``pack``: folded ``dout``, ``out``, ``lse``)."""
-        n = self.visible()
-        dq, dk, dv = served_backward(self.keys[layer], self.values[layer], q_fold, pack, n, scale)
-        if dk is not None and self.key_grads is not None:
-            self.key_grads[layer][:, :, :n] += dk.to(self.key_grads[layer].dtype)
-            self.value_grads[layer][:, :, :n] += dv.to(self.value_grads[layer].dtype)
-        return dq
-
-    # ------------------------------------------------------------------ a serving rank's side of a unit
-    def serve(self, scale: float, device: torch.device) -> None:
-        """Serve the owner's attention calls (and their backward for a grad unit)."""
-        for layer in self.attn_layers:
-            q_fold = torch.empty(self.shape(self.head_dim), dtype=self.dtype, device=device)
-            dist.broadcast(q_fold, self.owner_global(), group=self.group)
-            part = self.partial_forward(layer, q_fold, scale)
-            dist.gather(part, None, dst=self.owner_global(), group=self.group)
-            if self.unit.grad:
-                self.saved_queries[layer] = q_fold
-        if not self.unit.grad:
-            return
-        for layer in reversed(self.attn_layers):
-            q_fold = self.saved_queries.pop(layer)
-            pack = torch.empty(self.shape(2 * self.head_dim + 1), dtype=self.pack_dtype, device=device)
-            dist.broadcast(pack, self.owner_global(), group=self.group)
-            dq = self.partial_backward(layer, q_fold, pack, scale).contiguous()
-            dist.reduce(dq, self.owner_global(), op=dist.ReduceOp.SUM, group=self.group)
-
-
-class _ServedAttention(torch.autograd.Function):
-    """The owner's attention at one layer: its own causal part plus every rank's served partial."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, layer: int, scale: float):  # noqa: D102
-        s: _Session = _ACTIVE
-        b, h, n, d = q.shape
-        kv = k.shape[1]
-        rep = h // kv
-        q, k, v = (t.to(s.dtype) for t in (q, k, v))
-        q = q.contiguous()
-        flash = _kernels(q)[0]
-        out, lse = flash(q, _expand(k, rep), _expand(v, rep), 0.0, True, scale=scale)
-        out, lse = out.to(s.pack_dtype), lse.to(s.pack_dtype)
-        q_fold = _fold(q, kv).contiguous()
-        dist.broadcast(q_fold, s.owner_global(), group=s.group)
-        part = s.partial_forward(layer, q_fold, scale)
-        parts = [torch.empty_like(part) for _ in range(s.world)]
-        dist.gather(part, parts, dst=s.owner_global(), group=s.group)
-        for p in parts:  # rank order on every owner: the same rounding whoever owns the unit
-            o_j, l_j = _unfold(p[..., :d], b, h, n), _unfold(p[..., d], b, h, n)
-            merged = torch.logaddexp(lse, l_j)
-            out = out * torch.exp(lse - merged)[..., None] + o_j * torch.exp(l_j - merged)[..., None]
-            lse = merged
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, q_fold)
-        ctx.layer, ctx.scale = layer, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):  # noqa: D102
-        s: _Session = _ACTIVE
-        q, k, v, out, lse, q_fold = ctx.saved_tensors
-        b, h, n, d = q.shape
-        kv = k.shape[1]
-        rep = h // kv
-        dout = dout.to(q.dtype).contiguous()
-        dq, dk, dv = _kernels(q)[1](
-            dout, q, _expand(k, rep), _expand(v, rep), out, lse, 0.0, True, scale=ctx.scale
-        )
-        pd = s.pack_dtype
-        pack = torch.cat(
-            [_fold(dout, kv).to(pd), _fold(out, kv).to(pd), _fold(lse, kv).to(pd)[..., None]], -1
-        )
-        pack = pack.contiguous()
-        dist.broadcast(pack, s.owner_global(), group=s.group)
-        dq_fold = s.partial_backward(ctx.layer, q_fold, pack, ctx.scale).contiguous()
-        dist.reduce(dq_fold, s.owner_global(), op=dist.ReduceOp.SUM, group=s.group)
-        dq = dq + _unfold(dq_fold, b, h, n)
-        return dq, _reduce(dk, rep), _reduce(dv, rep), None, None
-
 
 def cp_attention(
     module: nn.Module,
@@ -346,7 +255,7 @@ def cp_attention(
     if s.round is not None:
         out = RoundAttention.apply(query, key, value, s, layer, scale)
     else:
-        out = _ServedAttention.apply(query, key, value, layer, scale)
+        out = ServedAttention.apply(query, key, value, s, layer, scale)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -538,17 +447,34 @@ class ContextParallelReplay:
             s.carry.chunk_done(owner, grad, s.world)  # the state on to the next chunk (its gradient back)
 
     def _responses(self, s: _Session, prompt: torch.Tensor, work: _Work) -> list:
-        """2. Every rank's responses in turn, one at a time; exact: the last prompt token in front."""
-        last = s.bounds[-1]
+        """2. The responses, one at a time on each rank; exact: the last prompt token in front.
+        Parallel schedule: every rank its ``i``-th at once (a round of responses); serial: in turn."""
+        last, extra = s.bounds[-1], len(prompt) - s.bounds[-1]
+        unit = lambda owner, i: _Unit(owner, last, work.lengths[owner][i] + extra, grad=work.grad)  # noqa: E731
+        ids = lambda i: torch.cat([prompt[last:], work.responses[i].to(prompt.device)])  # noqa: E731
         out = []
+        if s.layout:
+            shards = tuple(b - a for a, b in zip(s.bounds, s.bounds[1:], strict=False))
+            for i in range(max(len(lengths) for lengths in work.lengths)):
+                spans = [
+                    ((last, last + unit(r, i).length),) if i < len(work.lengths[r]) else ()
+                    for r in range(s.world)
+                ]
+                s.round = Round(tuple(spans), shards, keeps=False)  # every shard whole before each
+                try:
+                    if spans[s.rank]:
+                        out.extend(self._unit(s, unit(s.rank, i), ids(i), work.coefficients_of(i)))
+                    else:
+                        serve_round(s, self._scale(), self.device, work.grad)
+                finally:
+                    s.round = None
+            return out
         for owner in range(s.world):
-            for i, n in enumerate(work.lengths[owner]):
-                unit = _Unit(owner, last, n + len(prompt) - last, grad=work.grad)
+            for i in range(len(work.lengths[owner])):
                 if owner != s.rank:
-                    self._unit(s, unit, None)
-                    continue
-                ids = torch.cat([prompt[last:], work.responses[i].to(prompt.device)])
-                out.extend(self._unit(s, unit, ids, work.coefficients_of(i)))
+                    self._unit(s, unit(owner, i), None)
+                else:
+                    out.extend(self._unit(s, unit(owner, i), ids(i), work.coefficients_of(i)))
         return out
 
     def sum_grads(self) -> None:
@@ -565,7 +491,7 @@ class ContextParallelReplay:
         layers = len(s.attn_layers)
         scale = self._scale()
         if unit.owner != s.rank:
-            s.serve(scale, self.device)
+            serve(s, scale, self.device)
             s.unit = None
             return []
         ids = ids.to(self.device).unsqueeze(0)

@@ -35,6 +35,10 @@ collective): every rank holds ``1/C`` of every earlier stretch of the prompt, so
 earlier rounds, the bulk at long context, splits evenly; within the round, half-piece ``j``'s keys
 are read by the ``2C - 1 - j`` later half-pieces, so rank ``r`` serves ``(2C - 1 - r) + r = 2C - 1``
 half-piece pairs besides its own two causal ones, the same on every rank.
+
+The responses run in rounds too (``Round.keeps`` False): round ``i`` is every rank's ``i``-th
+response, each attending to every shard whole and to itself causally; its keys stay with it. A rank
+with no ``i``-th response still issues the round's collectives, serving only (:func:`serve_round`).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from .. import attention
 from ..attention.split import _expand, _fold, _reduce, _unfold
 from ..errors import UnsupportedModelError
 
-__all__ = ["Round", "Span", "chunk_bounds", "rounds", "served_backward", "served_forward"]
+__all__ = ["Round", "Span", "chunk_bounds", "rounds", "serve_round", "served_backward", "served_forward"]
 
 SINGLE_DEVICE = "TreeExecutor(model, mode='replay', prompt_grad='exact') (single-device long-context replay)"
 
@@ -78,10 +82,13 @@ class Round:
         pieces: per rank, the ``(start, end)`` prompt spans it computes in this round, in position
             order: its two half-pieces (one where the rank's share is a single position).
         offsets: per rank, where this round's piece begins in that rank's shard.
+        keeps: its keys/values go into the shards (a prompt round); False: a round of responses,
+            each rank's next one (none where it has no more), attending to every shard whole.
     """
 
     pieces: tuple[tuple[Span, ...], ...]
     offsets: tuple[int, ...]
+    keeps: bool = True
 
     def length(self, rank: int) -> int:
         """Positions ``rank`` computes in this round."""
@@ -201,7 +208,7 @@ def _rows(t: torch.Tensor, rep: int, m: int, a: int, b: int) -> torch.Tensor:
 def _runs(spans: tuple[Span, ...], visible: list[int]) -> list[tuple[int, int, int]]:
     """``(first row, end row, visible positions)`` of a reader's query rows per distinct visibility:
     one run when every span sees the same part of the server's shard, else one per span."""
-    if len(set(visible)) == 1:
+    if len(set(visible)) == 1:  # (none: a rank with no piece in a round of responses)
         return [(0, -1, visible[0])]  # -1: every row, the padding included
     out, row = [], 0
     for (a, b), n in zip(spans, visible, strict=True):
@@ -217,7 +224,7 @@ def _serve(
     :func:`_runs`: the partial ``[1, kv, rep * m, d + 1]`` (padding rows: zeros, ``-inf``)."""
     keys, values, pd = s.keys[layer], s.values[layer], s.pack_dtype
     runs = _runs(spans, visible)
-    if runs[0][1] == -1:
+    if runs and runs[0][1] == -1:
         return served_forward(keys, values, q_fold, runs[0][2], scale, pd)
     kv, d = q_fold.shape[1], q_fold.shape[-1]
     out = torch.zeros(1, kv, rep, m, d + 1, dtype=pd, device=q_fold.device)
@@ -235,7 +242,7 @@ def _serve_backward(
     per run, ``(n, dk, dv)`` the gradient of this shard's first ``n`` positions (None where n == 0)."""
     keys, values = s.keys[layer], s.values[layer]
     runs = _runs(spans, visible)
-    if runs[0][1] == -1:
+    if runs and runs[0][1] == -1:
         dq, dk, dv = served_backward(keys, values, q_fold, pack, runs[0][2], scale)
         return dq, [(runs[0][2], dk, dv)]
     kv, d = q_fold.shape[1], q_fold.shape[-1]
@@ -267,8 +274,9 @@ class RoundAttention(torch.autograd.Function):
         q, k, v = (t.to(s.dtype) for t in (q, k, v))
         q = q.contiguous()
         off = rd.offsets[s.rank]
-        s.keys[layer][:, :, off : off + n] = k.detach()  # served to later pieces of this round
-        s.values[layer][:, :, off : off + n] = v.detach()
+        if rd.keeps:  # served to later pieces of this round
+            s.keys[layer][:, :, off : off + n] = k.detach()
+            s.values[layer][:, :, off : off + n] = v.detach()
         mine = _fold(_padded(q, m), kv).contiguous()
         queries = [torch.empty_like(mine) for _ in range(s.world)]
         gathering = dist.all_gather(queries, mine, group=s.group, async_op=True)
@@ -318,24 +326,7 @@ class RoundAttention(torch.autograd.Function):
         )
         dk, dv = _reduce(dk, rep), _reduce(dv, rep)
         gathering.wait()
-        off = rd.offsets[s.rank]
-        shares = []
-        for j in range(s.world):
-            spans, visible = rd.pieces[j], rd.visible(s.rank, j)
-            dq_j, grads = _serve_backward(s, layer, queries[j], packs[j], spans, visible, scale, rep, m)
-            for vis, dk_j, dv_j in grads:
-                if dk_j is None:
-                    continue
-                earlier = min(vis, off)  # earlier rounds: their replay comes later, from the shard
-                if earlier:
-                    s.key_grads[layer][:, :, :earlier] += dk_j[:, :, :earlier].to(s.key_grads[layer].dtype)
-                    s.value_grads[layer][:, :, :earlier] += dv_j[:, :, :earlier].to(
-                        s.value_grads[layer].dtype
-                    )
-                if vis > off:  # this piece's first vis - off positions, read by a later half-piece
-                    dk[:, :, : vis - off] += dk_j[:, :, off:vis].to(dk.dtype)
-                    dv[:, :, : vis - off] += dv_j[:, :, off:vis].to(dv.dtype)
-            shares.append(dq_j.contiguous())
+        shares = _serve_all_backward(s, layer, queries, packs, scale, rep, m, dk, dv)
         received = [torch.empty_like(shares[0]) for _ in range(s.world)]
         dist.all_to_all(received, shares, group=s.group)
         dq_fold = received[0]
@@ -343,3 +334,55 @@ class RoundAttention(torch.autograd.Function):
             dq_fold = dq_fold + r
         dq = dq + _unfold(dq_fold, b, h, m)[:, :, :n]
         return dq, dk, dv, None, None, None
+
+
+def _serve_all_backward(s, layer, queries, packs, scale, rep, m, dk=None, dv=None) -> list[torch.Tensor]:
+    """The backward of every reader's served partials at one layer: their query gradient shares
+    (``[1, kv, rep * m, d]`` each, in rank order); the gradient of this rank's keys/values of earlier
+    rounds added to its gradient shard, and of this piece's (read by a later half-piece of the round)
+    to ``dk``, ``dv`` ``[1, kv, n, d]``."""
+    rd = s.round
+    off = rd.offsets[s.rank]
+    shares = []
+    for j in range(s.world):
+        spans, visible = rd.pieces[j], rd.visible(s.rank, j)
+        dq_j, grads = _serve_backward(s, layer, queries[j], packs[j], spans, visible, scale, rep, m)
+        for vis, dk_j, dv_j in grads:
+            if dk_j is None:
+                continue
+            earlier = min(vis, off)  # earlier rounds: their replay comes later, from the shard
+            if earlier and s.key_grads is not None:
+                s.key_grads[layer][:, :, :earlier] += dk_j[:, :, :earlier].to(s.key_grads[layer].dtype)
+                s.value_grads[layer][:, :, :earlier] += dv_j[:, :, :earlier].to(s.value_grads[layer].dtype)
+            if vis > off:  # this piece's first vis - off positions, read by a later half-piece
+                dk[:, :, : vis - off] += dk_j[:, :, off:vis].to(dk.dtype)
+                dv[:, :, : vis - off] += dv_j[:, :, off:vis].to(dv.dtype)
+        shares.append(dq_j.contiguous())
+    return shares
+
+
+def serve_round(s, scale: float, device: torch.device, grad: bool) -> None:
+    """This rank's side of a round in which it has no piece (a round of responses where it has no
+    more): the round's collectives, every layer forward and (``grad``) backward, serving the other
+    ranks' queries over its shard and sending nothing of its own (zero queries, no rows read)."""
+    rd = s.round
+    kv, rep, d, m = s.kv_heads, s.heads // s.kv_heads, s.head_dim, rd.longest
+    mine = torch.zeros(1, kv, rep * m, d, dtype=s.dtype, device=device)
+    saved = {}
+    for layer in s.attn_layers:
+        queries = [torch.empty_like(mine) for _ in range(s.world)]
+        dist.all_gather(queries, mine, group=s.group)
+        parts = [
+            _serve(s, layer, queries[j], rd.pieces[j], rd.visible(s.rank, j), scale, rep, m)
+            for j in range(s.world)
+        ]
+        dist.all_to_all([torch.empty_like(parts[0]) for _ in range(s.world)], parts, group=s.group)
+        saved[layer] = queries
+    if not grad:
+        return
+    for layer in reversed(s.attn_layers):
+        pack = torch.zeros(1, kv, rep * m, 2 * d + 1, dtype=s.pack_dtype, device=device)
+        packs = [torch.empty_like(pack) for _ in range(s.world)]
+        dist.all_gather(packs, pack, group=s.group)
+        shares = _serve_all_backward(s, layer, saved.pop(layer), packs, scale, rep, m)
+        dist.all_to_all([torch.empty_like(shares[0]) for _ in range(s.world)], shares, group=s.group)
