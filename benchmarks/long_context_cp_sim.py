@@ -22,8 +22,10 @@ all-to-all per round: :func:`parallel_comm_bytes`).
 Time per step at the given MFU, two schedules (``ContextParallelReplay(schedule=...)``): ``serial``,
 the owners compute their chunks in turn (the whole prompt's compute on one device's clock);
 ``parallel`` (the default), every rank its piece of each round at once, so the prompt's compute splits
-``N`` ways, the responses' attention too (each shard serves its part) while their dense part runs one
-response at a time, plus the parallel schedule's traffic at ``link_bandwidth`` (not overlapped).
+``N`` ways, the responses' too (every rank its own, in ``ceil(G / N)`` rounds; each shard serves its
+part of their attention), plus the parallel schedule's traffic at ``link_bandwidth`` (not overlapped).
+Hybrid models run the serial schedule (their state passes chunk to chunk in position order), so their
+``parallel`` column is their serial one.
 
 The check runs the real thing on 2 and 4 gloo ranks (a tiny float32 Llama) and prints, per rank,
 the measured kept shard and gradient-shard bytes and the measured collective payload next to this
@@ -87,7 +89,7 @@ MODELS = {
     # Qwen3-Next-80B-A3B: 48 layers, 1 in 4 full attention (16 q / 2 kv heads of 256), the rest Gated
     # DeltaNet (32 value heads x 128 x 128 fp32 state + conv); 512 experts, 10 routed + 1 shared of 512.
     "qwen3-next-80b": Shape(
-        "Qwen3-Next-80B-A3B (hybrid MoE; paper only: core refuses hybrids)",
+        "Qwen3-Next-80B-A3B (hybrid MoE; serial schedule)",
         80e9,
         3e9,
         48,
@@ -141,7 +143,13 @@ def per_rank_bytes(m: Shape, P: int, n: int, s: Setup, exact: bool = True) -> di
         "cache_grad": cache if exact else 0.0,
         "states": m.params * s.state_bytes / n,
         "activations": unit * m.act_per_token,
-        "queries": n * s.block * m.attn_layers * m.heads * m.head_dim * m.b,
+        # the parallel schedule saves every rank's queries of a round; hybrids run the serial one
+        "queries": (n if m.attn_layers == m.layers else 1)
+        * s.block
+        * m.attn_layers
+        * m.heads
+        * m.head_dim
+        * m.b,
         "state": (m.layers - m.attn_layers) * m.state_bytes_per_layer * 2,  # a state and its gradient
         "reserve": s.reserve,
     }
@@ -164,14 +172,15 @@ def comm_bytes(m: Shape, P: int, n: int, s: Setup, exact: bool = True, pack: int
 def parallel_comm_bytes(m: Shape, P: int, n: int, s: Setup, exact: bool = True, pack: int = 4) -> float:
     """Bytes a rank receives per step in the parallel schedule: per attention layer, every other
     rank's queries and partials for each prompt position (prefill, and with ``exact`` the replay's
-    forward and backward: packs and query-gradient shares), plus the responses as served units."""
+    forward and backward: packs and query-gradient shares), plus the rounds of responses (every
+    rank its own, padded to the round's longest)."""
     if n == 1:
         return 0.0
     hd = m.heads * m.head_dim
     fwd = hd * m.b + m.heads * (m.head_dim + 1) * pack
     bwd = m.heads * (2 * m.head_dim + 1) * pack + hd * m.b
     prompt = (P - 1) * (n - 1) / n * ((2 * fwd + bwd) if exact else fwd)
-    responses = s.group * (s.response + 1) * (fwd + bwd)
+    responses = -(-s.group // n) * (n - 1) * (s.response + 1) * (fwd + bwd)
     return m.attn_layers * (prompt + responses)
 
 
@@ -186,9 +195,10 @@ def step_seconds(
     resp_dense, resp_attn = tokens * dense, tokens * 4 * m.attn_layers * hd * P
     prompt = fwd_prompt + (3 * fwd_prompt if exact else 0)
     rate = s.peak_flops * s.mfu
-    if schedule == "serial":
+    if schedule == "serial" or m.attn_layers < m.layers:  # hybrids: the serial schedule (docstring)
         return (prompt + 3 * (resp_dense + resp_attn)) / rate
-    compute = (prompt / n + 3 * (resp_dense + resp_attn / n)) / rate
+    rounds = -(-s.group // n)  # rounds of responses, every rank its own
+    compute = (prompt / n + 3 * (resp_dense * rounds / s.group + resp_attn / n)) / rate
     return compute + parallel_comm_bytes(m, P, n, s, exact) / s.link_bandwidth
 
 

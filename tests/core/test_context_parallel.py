@@ -202,3 +202,19 @@ def test_in_the_parallel_schedule_each_rank_computes_about_its_share():
     fast as one (the benchmark measures that too), so C ranks need C real devices to be faster."""
     out = _benchmark("--ranks", "2", "--prompt", "2049", "--block", "256", "--repeats", "3")
     assert out["cpu_share"] < 0.65, out
+
+
+def test_the_simulation_puts_longstraws_scale_under_an_hour_on_8_devices():
+    """The paper model (benchmarks/long_context_cp_sim.py) behind the README's claim: a Qwen2.5-7B
+    shape on 8 H200s fits at least LongStraw's 2.1M positions with the exact gradient, and a step at
+    2.1M takes under an hour in the parallel schedule, far less than the owners in turn; a hybrid
+    runs the serial schedule, so its two columns agree."""
+    from benchmarks.long_context_cp_sim import MODELS, Setup, longest, step_seconds
+
+    s, dense, hybrid = Setup(), MODELS["qwen2.5-7b"], MODELS["qwen3-next-80b"]
+    assert longest(dense, 8, s) >= 2_100_000
+    parallel = step_seconds(dense, 2_100_000, s, n=8, schedule="parallel")
+    assert parallel < 3600
+    assert parallel < step_seconds(dense, 2_100_000, s, n=8, schedule="serial") / 4
+    at = dict(P=2_100_000, s=s, n=32)
+    assert step_seconds(hybrid, schedule="parallel", **at) == step_seconds(hybrid, schedule="serial", **at)
