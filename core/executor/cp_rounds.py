@@ -205,11 +205,12 @@ def _rows(t: torch.Tensor, rep: int, m: int, a: int, b: int) -> torch.Tensor:
     return t.reshape(1, kv, rep, m, w)[:, :, :, a:b].reshape(1, kv, rep * (b - a), w)
 
 
-def _runs(spans: tuple[Span, ...], visible: list[int]) -> list[tuple[int, int, int]]:
+def _runs(spans: tuple[Span, ...], visible: list[int]) -> list[tuple[int, int | None, int]]:
     """``(first row, end row, visible positions)`` of a reader's query rows per distinct visibility:
-    one run when every span sees the same part of the server's shard, else one per span."""
-    if len(set(visible)) == 1:  # (none: a rank with no piece in a round of responses)
-        return [(0, -1, visible[0])]  # -1: every row, the padding included
+    one run of every row (end None: the padding too) when every span sees the same part of the
+    server's shard, else one per span; none for a reader without a piece (a round of responses)."""
+    if len(set(visible)) == 1:
+        return [(0, None, visible[0])]
     out, row = [], 0
     for (a, b), n in zip(spans, visible, strict=True):
         out.append((row, row + b - a, n))
@@ -224,7 +225,7 @@ def _serve(
     :func:`_runs`: the partial ``[1, kv, rep * m, d + 1]`` (padding rows: zeros, ``-inf``)."""
     keys, values, pd = s.keys[layer], s.values[layer], s.pack_dtype
     runs = _runs(spans, visible)
-    if runs and runs[0][1] == -1:
+    if runs and runs[0][1] is None:
         return served_forward(keys, values, q_fold, runs[0][2], scale, pd)
     kv, d = q_fold.shape[1], q_fold.shape[-1]
     out = torch.zeros(1, kv, rep, m, d + 1, dtype=pd, device=q_fold.device)
@@ -242,7 +243,7 @@ def _serve_backward(
     per run, ``(n, dk, dv)`` the gradient of this shard's first ``n`` positions (None where n == 0)."""
     keys, values = s.keys[layer], s.values[layer]
     runs = _runs(spans, visible)
-    if runs and runs[0][1] == -1:
+    if runs and runs[0][1] is None:
         dq, dk, dv = served_backward(keys, values, q_fold, pack, runs[0][2], scale)
         return dq, [(runs[0][2], dk, dv)]
     kv, d = q_fold.shape[1], q_fold.shape[-1]
