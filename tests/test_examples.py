@@ -19,38 +19,36 @@ pytestmark = pytest.mark.slow  # the examples end to end
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _tree_training(summary: Path) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable, str(ROOT / "examples" / "tree_training.py"),
-        "--steps", "2", "--prompts", "2", "--group", "4", "--prompt-len", "40", "--max-new", "16", "--vocab", "16",
-        "--summary", str(summary),
-    ]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+#: The example scripts' tests: (script, its arguments, timeout in seconds); each also writes --summary.
+EXAMPLES = {
+    "test_tree_training_example_runs_and_matches_dense": (
+        "tree_training.py",
+        "--steps 2 --prompts 2 --group 4 --prompt-len 40 --max-new 16 --vocab 16".split(),
+        300,
+    ),
+    "test_trl_grpo_tree_example_runs": (
+        "trl_grpo_tree.py",
+        "--steps 4 --compare-steps 2 --doc-len 64 --prompts 1 --group 4 --max-new 6".split(),
+        600,
+    ),
+}
 
 
-def _trl_grpo_tree(summary: Path) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable, str(ROOT / "examples" / "trl_grpo_tree.py"),
-        "--steps", "4", "--compare-steps", "2", "--doc-len", "64", "--prompts", "1", "--group", "4", "--max-new", "6",
-        "--summary", str(summary),
-    ]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+def _example(script: str, args: list[str], timeout: int, summary: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "examples" / script), *args, "--summary", str(summary)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def examples(request, tmp_path_factory):
     """The selected tests' scripts, two at a time: test name to (future, summary path or None)."""
-    runs = {
-        "test_tree_training_example_runs_and_matches_dense": _tree_training,
-        "test_trl_grpo_tree_example_runs": _trl_grpo_tree,
-    }
     selected = {item.name for item in request.session.items if item.module is request.module}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         started = {}
-        for name, run in runs.items():
+        for name, (script, args, timeout) in EXAMPLES.items():
             if name in selected:
                 summary = tmp_path_factory.mktemp(name[5:25]) / "summary.json"
-                started[name] = (pool.submit(run, summary), summary)
+                started[name] = (pool.submit(_example, script, args, timeout, summary), summary)
         readme = "test_readme_trl_snippet_runs_on_a_cpu_machine_as_written"
         if readme in selected:
             started[readme] = (pool.submit(_readme_snippet, tmp_path_factory.mktemp("readme")), None)
