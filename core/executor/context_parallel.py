@@ -457,7 +457,7 @@ class ContextParallelReplay:
             shards = tuple(b - a for a, b in zip(s.bounds, s.bounds[1:], strict=False))
             for i in range(max(len(lengths) for lengths in work.lengths)):
                 spans = [
-                    ((last, last + unit(r, i).length),) if i < len(work.lengths[r]) else ()
+                    ((last, last + work.lengths[r][i] + extra),) if i < len(work.lengths[r]) else ()
                     for r in range(s.world)
                 ]
                 s.round = Round(tuple(spans), shards, keeps=False)  # every shard whole before each

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from .. import attention
-from ..attention.split import _expand, _fold, _reduce, _unfold
+from ..attention.split import _expand, _fold, _reduce, _unfold, merge
 from ..errors import UnsupportedModelError
 
 __all__ = ["Round", "Span", "chunk_bounds", "rounds", "serve_round", "served_backward", "served_forward"]
@@ -293,9 +293,7 @@ class RoundAttention(torch.autograd.Function):
         for p in received:  # rank order on every rank: the same rounding whatever the layout
             o_j = _unfold(p[..., :d], b, h, m)[:, :, :n]
             l_j = _unfold(p[..., d], b, h, m)[:, :, :n]
-            merged = torch.logaddexp(lse, l_j)
-            out = out * torch.exp(lse - merged)[..., None] + o_j * torch.exp(l_j - merged)[..., None]
-            lse = merged
+            out, lse = merge(out, lse, o_j, l_j)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, *queries)
         ctx.session, ctx.layer, ctx.scale = s, layer, scale

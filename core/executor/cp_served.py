@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..attention.split import _expand, _fold, _reduce, _unfold
+from ..attention.split import _expand, _fold, _reduce, _unfold, merge
 from .cp_rounds import kernels as _kernels
 from .cp_rounds import served_backward, served_forward
 
@@ -76,9 +76,7 @@ class ServedAttention(torch.autograd.Function):
         dist.gather(part, parts, dst=s.owner_global(), group=s.group)
         for p in parts:  # rank order on every owner: the same rounding whoever owns the unit
             o_j, l_j = _unfold(p[..., :d], b, h, n), _unfold(p[..., d], b, h, n)
-            merged = torch.logaddexp(lse, l_j)
-            out = out * torch.exp(lse - merged)[..., None] + o_j * torch.exp(l_j - merged)[..., None]
-            lse = merged
+            out, lse = merge(out, lse, o_j, l_j)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, q_fold)
         ctx.session, ctx.layer, ctx.scale = s, layer, scale
