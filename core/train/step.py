@@ -238,9 +238,8 @@ class TreeStep:
         # With a context-parallel group the executor that will run (it checks the model as it is built).
         executor = self.executor(target, self.score_mode, parallel)
         executor.adapter.check_deterministic()
-        if replica is None and isinstance(
-            executor, TreeExecutor
-        ):  # a sharded model's waits for its first pass
+        # A sharded model's probe waits for its first gathered pass; the context-parallel one has none.
+        if replica is None and isinstance(executor, TreeExecutor):
             executor.verify()
         if self.options.tree_mode == "packed":
             self.executor(target, "packed")
