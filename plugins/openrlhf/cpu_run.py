@@ -37,7 +37,7 @@ from typing import Any
 from forkrl.plugins.vllm import check_cpu_head_size
 
 from . import compat
-from .options import FLAG_PREFIX, options_from
+from .options import FLAG_PREFIX, arg, options_from
 from .options import PROG as LAUNCHER
 
 __all__ = ["CPU_ENV", "PROG", "check_cpu_args", "main", "ray_resources", "run"]
@@ -66,15 +66,6 @@ ROLLOUTS = ("vllm", "hf")
 CPU_ATTENTION = ("sdpa", "eager")
 
 
-def _get(args: Any, path: str, default: Any = None) -> Any:
-    node = args
-    for part in path.split("."):
-        node = getattr(node, part, None)
-        if node is None:
-            return default
-    return node
-
-
 def check_cpu_args(args: Any, rollout: str = "hf") -> None:
     """Refuse OpenRLHF settings that the CPU run cannot serve, from the parsed arguments alone.
 
@@ -86,14 +77,14 @@ def check_cpu_args(args: Any, rollout: str = "hf") -> None:
     Raises:
         ValueError: naming the flag, why a CPU cannot run it, and what to use instead.
     """
-    attention = str(_get(args, "ds.attn_implementation", "flash_attention_2"))
-    engines = _get(args, "vllm.num_engines", 0) or 0
+    attention = str(arg(args, "ds.attn_implementation", "flash_attention_2"))
+    engines = arg(args, "vllm.num_engines", 0) or 0
     hf = rollout == "hf"
     stand_in = "the Hugging Face rollout (--rollout hf, or where vLLM's CPU build is not installed)"
     with_vllm = "or use vLLM's CPU build (scripts/setup.sh test installs it in OpenRLHF's environment)"
     refusals = [
         (
-            bool(_get(args, "ds.packing_samples", False)),
+            bool(arg(args, "ds.packing_samples", False)),
             "--ds.packing_samples (which --ds.ring_attn_size > 1 and --train.dynamic_batch_enable also turn on) "
             "packs rows for flash-attention's varlen kernels, which a CPU does not have: drop it, and those two",
         ),
@@ -107,24 +98,24 @@ def check_cpu_args(args: Any, rollout: str = "hf") -> None:
             f"--vllm.num_engines {engines}: OpenRLHF generates only through its vLLM engines: pass --vllm.num_engines 1",
         ),
         (
-            (_get(args, "vllm.tensor_parallel_size", 1) or 1) > 1,
+            (arg(args, "vllm.tensor_parallel_size", 1) or 1) > 1,
             "--vllm.tensor_parallel_size > 1: the CPU run has one process per engine: pass --vllm.tensor_parallel_size 1",
         ),
         (
-            (_get(args, "data.max_images_per_prompt", 0) or 0) > 0,
+            (arg(args, "data.max_images_per_prompt", 0) or 0) > 0,
             "--data.max_images_per_prompt: the CPU run's rollout generates text only: drop it",
         ),
         (
-            (_get(args, "ds.lora.rank", 0) or 0) > 0,
+            (arg(args, "ds.lora.rank", 0) or 0) > 0,
             "--ds.lora.rank > 0: the CPU run syncs the policy's whole weights by name, no LoRA adapter: "
             "drop --ds.lora.rank",
         ),
         (
-            bool(_get(args, "vllm.enable_sleep", False)),
+            bool(arg(args, "vllm.enable_sleep", False)),
             "--vllm.enable_sleep: vLLM's sleep mode frees GPU memory, which a CPU run has none of: drop it",
         ),
         (
-            hf and _get(args, "algo.advantage.is_correction_level", "off") != "off",
+            hf and arg(args, "algo.advantage.is_correction_level", "off") != "off",
             f"--algo.advantage.is_correction_level corrects with vLLM's sampling log-probs, which {stand_in} does "
             f"not return: leave it off, {with_vllm}",
         ),
@@ -138,7 +129,7 @@ def check_cpu_args(args: Any, rollout: str = "hf") -> None:
         if refused:
             raise ValueError(f"on a CPU, {why}")
     if rollout == "vllm":
-        check_cpu_head_size(str(_get(args, "actor.model_name_or_path", "")), fix="pass --rollout hf")
+        check_cpu_head_size(str(arg(args, "actor.model_name_or_path", "")), fix="pass --rollout hf")
 
 
 def ray_resources(args: Any, rollout: str = "hf") -> dict[str, int]:
@@ -149,21 +140,21 @@ def ray_resources(args: Any, rollout: str = "hf") -> dict[str, int]:
     ``hf`` rollout stand-in holds neither."""
 
     def gpus(group: str) -> int:
-        return int(_get(args, f"{group}.num_nodes", 1)) * int(_get(args, f"{group}.num_gpus_per_node", 1))
+        return int(arg(args, f"{group}.num_nodes", 1)) * int(arg(args, f"{group}.num_gpus_per_node", 1))
 
     total = gpus("actor")
-    if _get(args, "train.colocate_all", False):  # every group, engines too, in the policy's placement group
+    if arg(args, "train.colocate_all", False):  # every group, engines too, in the policy's placement group
         return {"num_cpus": total + 2, "num_gpus": total}
     if rollout == "vllm":
-        total += int(_get(args, "vllm.num_engines", 1)) * int(_get(args, "vllm.tensor_parallel_size", 1))
-    reference = float(_get(args, "algo.kl.init_coef", 0.0) or 0.0) > 0
-    if reference and not _get(args, "train.colocate_actor_ref", False):
+        total += int(arg(args, "vllm.num_engines", 1)) * int(arg(args, "vllm.tensor_parallel_size", 1))
+    reference = float(arg(args, "algo.kl.init_coef", 0.0) or 0.0) > 0
+    if reference and not arg(args, "train.colocate_actor_ref", False):
         total += gpus("ref")
-    critic = bool(_get(args, "critic.model_name_or_path"))
+    critic = bool(arg(args, "critic.model_name_or_path"))
     if critic:
         total += gpus("critic")
-    shares_critic = critic and _get(args, "train.colocate_critic_reward", False)
-    if not _get(args, "reward.remote_url") and not shares_critic:
+    shares_critic = critic and arg(args, "train.colocate_critic_reward", False)
+    if not arg(args, "reward.remote_url") and not shares_critic:
         total += gpus("reward")
     return {"num_cpus": total + 2, "num_gpus": total}
 

@@ -34,6 +34,7 @@ __all__ = [
     "NOT_TAKEN",
     "PROG",
     "ForkrlOptions",
+    "arg",
     "balance_setting",
     "check_host_args",
     "check_model_paths",
@@ -139,7 +140,9 @@ def options_from(args: Any) -> ForkrlOptions:
     return ForkrlOptions(**vars(values)) if values is not None else ForkrlOptions()
 
 
-def _get(args: Any, path: str, default: Any = None) -> Any:
+def arg(args: Any, path: str, default: Any = None) -> Any:
+    """OpenRLHF's nested argument at dotted ``path`` (``"vllm.num_engines"``), or ``default`` where
+    any part is absent or None."""
     node = args
     for part in path.split("."):
         node = getattr(node, part, None)
@@ -150,22 +153,22 @@ def _get(args: Any, path: str, default: Any = None) -> Any:
 
 def _balance_unsafe(args: Any) -> str | None:
     """Why moving a window's rows between ranks would change OpenRLHF's update (None: it would not)."""
-    if bool(_get(args, "train.dynamic_batch_enable", False)):
+    if bool(arg(args, "train.dynamic_batch_enable", False)):
         return "--train.dynamic_batch_enable gives every rank its own window lengths"
-    if float(_get(args, "actor.aux_loss_coef", 0.0) or 0.0) > 0:
+    if float(arg(args, "actor.aux_loss_coef", 0.0) or 0.0) > 0:
         return f"{ROUTER_LOSS} (--actor.aux_loss_coef > 0)"
     return None
 
 
 def _ring_group(args: Any) -> str | None:
     """Why a window's rows cannot move under ring attention (None: no ring group)."""
-    return _RING if (_get(args, "ds.ring_attn_size", 1) or 1) > 1 else None
+    return _RING if (arg(args, "ds.ring_attn_size", 1) or 1) > 1 else None
 
 
 def _data_parallel(args: Any) -> int:
     """The actor's data-parallel ranks, as OpenRLHF's launcher places them."""
-    gpus = int(_get(args, "actor.num_nodes", 1) or 1) * int(_get(args, "actor.num_gpus_per_node", 1) or 1)
-    group = int(_get(args, "ds.ring_attn_size", 1) or 1) * int(_get(args, "ds.tensor_parallel_size", 1) or 1)
+    gpus = int(arg(args, "actor.num_nodes", 1) or 1) * int(arg(args, "actor.num_gpus_per_node", 1) or 1)
+    group = int(arg(args, "ds.ring_attn_size", 1) or 1) * int(arg(args, "ds.tensor_parallel_size", 1) or 1)
     return max(1, gpus // group)
 
 
@@ -190,12 +193,11 @@ def check_host_args(args: Any, options: ForkrlOptions) -> None:
     flag = "--forkrl.tree_packing" if options.tree_packing else "--forkrl.long_context_replay"
     refusals = [
         (
-            (_get(args, "ds.tensor_parallel_size", 1) or 1) > 1,
+            (arg(args, "ds.tensor_parallel_size", 1) or 1) > 1,
             "--ds.tensor_parallel_size > 1 (DeepSpeed AutoTP) shards layers across ranks: use --ds.tensor_parallel_size 1",
         ),
         (
-            bool(_get(args, "train.dynamic_batch_enable", False))
-            and _get(args, "ds.zero_stage", 2) in (1, 2),
+            bool(arg(args, "train.dynamic_batch_enable", False)) and arg(args, "ds.zero_stage", 2) in (1, 2),
             "--train.dynamic_batch_enable with --ds.zero_stage 1/2: OpenRLHF then runs DeepSpeed with "
             "gradient_accumulation_steps=1 and steps once per window, and DeepSpeed 0.19's ZeRO-1/2 keeps only the "
             "last backward's gradient before a step, so stock OpenRLHF drops all but each step's last micro-batch "
@@ -203,7 +205,7 @@ def check_host_args(args: Any, options: ForkrlOptions) -> None:
             "--ds.zero_stage 3 or --ds.zero_stage 0",
         ),
         (
-            _get(args, "ds.param_dtype", "bf16") == "fp16",
+            arg(args, "ds.param_dtype", "bf16") == "fp16",
             "--ds.param_dtype fp16 needs DeepSpeed's loss scaling inside every backward, and the tree's backwards run "
             "outside DeepSpeed: use --ds.param_dtype bf16",
         ),
@@ -235,7 +237,7 @@ def check_model_paths(args: Any) -> None:
         ValueError: naming the flag and the path.
     """
     for path in MODEL_FLAGS:
-        value = _get(args, path)
+        value = arg(args, path)
         for name in str(value).split(",") if value else ():
             if missing_model(name.strip()):
                 raise ValueError(no_such_model(f"--{path}", name.strip()))
@@ -254,17 +256,17 @@ def check_vlm_args(args: Any, options: ForkrlOptions) -> None:
     flag = "--forkrl.tree_packing" if options.tree_packing else "--forkrl.long_context_replay"
     refusals = [
         (
-            (_get(args, "ds.ring_attn_size", 1) or 1) > 1,
+            (arg(args, "ds.ring_attn_size", 1) or 1) > 1,
             "a vision-language actor's images are not split over a ring-attention group (--ds.ring_attn_size > 1, "
             "which also packs samples): use --ds.ring_attn_size 1",
         ),
         (
-            bool(_get(args, "train.dynamic_batch_enable", False)),
+            bool(arg(args, "train.dynamic_batch_enable", False)),
             "--train.dynamic_batch_enable packs samples, which OpenRLHF does not do for a vision-language actor: "
             "drop --train.dynamic_batch_enable",
         ),
         (
-            bool(_get(args, "ds.packing_samples", False)),
+            bool(arg(args, "ds.packing_samples", False)),
             "OpenRLHF does not pack a vision-language actor's samples (packing breaks the rows' alignment with "
             "their pixel_values and the model's own positions): drop --ds.packing_samples",
         ),
@@ -280,7 +282,7 @@ def check_vlm_args(args: Any, options: ForkrlOptions) -> None:
 
 
 def _check_speculative_args(args: Any, options: ForkrlOptions) -> None:
-    if (_get(args, "vllm.num_engines", 0) or 0) < 1:
+    if (arg(args, "vllm.num_engines", 0) or 0) < 1:
         raise ValueError(
             "--forkrl.speculative_rollout drafts inside OpenRLHF's vLLM engines: set --vllm.num_engines >= 1, or drop it"
         )
