@@ -33,6 +33,7 @@ OVERRIDES: dict[str, dict] = {
                       **_MAMBA),
     # Fields the generic sizes miss, or that must agree with them.
     "codegen": dict(rotary_dim=4),  # rotary part of the 8-wide head (default 64)
+    "kimi_linear": dict(linear_head_dim=8, linear_num_heads=4),  # 32 heads of 128 by default: ~55 s a run
     "gptj": dict(rotary_dim=4),  # as CodeGen
     "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
     # ^ its default rope_parameters is {}, but its rotary embedding looks them up per layer type
