@@ -28,13 +28,13 @@ TORCH_PIN="torch==2.13.0"
 
 say() { echo "setup.sh: $*"; }
 
-# pip_install PYTHON ARGS...: pip install into PYTHON's environment without byte-compiling every
-# module it unpacks (three quarters of torch's install time here); Python compiles what a program
-# imports on first import, and caches it.
+# pip_install PYTHON ARGS...: pip install into PYTHON's environment. pip byte-compiles what it
+# installs (most of torch's install time), and that stays: where PYTHONDONTWRITEBYTECODE is set (as on
+# the CI machines), a module left uncompiled is compiled again by every process that imports it.
 pip_install() {
     local py="$1"
     shift
-    "$py" -m pip install -q --no-compile "$@"
+    "$py" -m pip install -q "$@"
 }
 
 # setup_env DIR SPEC LEVEL [EXTRA...]: DIR holds forkrl installed editable with SPEC; LEVEL names what
