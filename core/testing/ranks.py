@@ -1,13 +1,19 @@
 """Multi-process test runs: a module-level function on N gloo ranks, returning its results as data.
 
-:func:`run_on_ranks` runs ``fn(*args, **kwargs)`` in ``world_size`` fresh interpreters with
-torchrun's launcher variables set (a free local port), a gloo group started (unless the host code
-starts its own), and returns each rank's return value, in rank order. ``fn`` and its arguments
+:func:`run_on_ranks` runs ``fn(*args, **kwargs)`` in ``world_size`` new processes with torchrun's
+launcher variables set (a free local port), a gloo group started (unless the host code starts its
+own), and returns each rank's return value, in rank order. ``fn`` and its arguments
 travel by pickle, so ``fn`` is a module-level function (in a test module, or beside it) and the
 results are plain data: no script in a string, no parsing of printed lines. A rank that raises
 fails the call with that rank's traceback; the other ranks are stopped (they may be waiting in a
 collective the failed rank never reached). :func:`run_in_subprocess` runs a function once in a
-fresh interpreter without launcher variables (the one-process run a multi-rank run is compared with).
+new process without launcher variables (the one-process run a multi-rank run is compared with).
+
+The processes fork from a server (multiprocessing's ``forkserver``) that has imported forkrl's core
+and the heavy libraries this process had imported (:data:`PRELOAD`), none of them started: a
+fresh interpreter spends about 5 s of CPU importing them, more than many ranks' work. Each process
+then takes the call's environment whole (this one's, without its launcher variables, plus the
+rank's), working directory, ``sys.path`` and thread count, and imports ``fn``'s module itself.
 
 A test process may itself hold a one-rank gloo group (a host's test support starts one:
 :func:`forkrl.core.testing.group.start_gloo`), so the ranks it launches get an environment without
@@ -19,6 +25,7 @@ the process (SIGABRT) after its work has passed.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import socket
@@ -124,6 +131,21 @@ def finish() -> None:
     os._exit(0)
 
 
+#: Libraries the rank server imports when this process has (with forkrl's core, always): what a
+#: rank's module would import anyway, imported once. Each is safe to fork: it starts no thread and
+#: no runtime on import.
+PRELOAD = ("torch", "transformers", "accelerate", "peft", "datasets", "deepspeed", "trl", "verl", "openrlhf")
+
+
+def _server() -> multiprocessing.context.ForkServerContext:
+    """multiprocessing's forkserver context; its server (one per process, started by the first rank)
+    imports forkrl's core and the :data:`PRELOAD` libraries this process has imported by then (a
+    test session has imported every test module's by its first test)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["forkrl.core", *(m for m in PRELOAD if m in sys.modules)])
+    return ctx
+
+
 class RankFailed(AssertionError):
     """A rank of :func:`run_on_ranks` raised (or died, or hung); the message carries its traceback."""
 
@@ -209,30 +231,21 @@ def _launch(
         # sys.path travels first and on its own: unpickling fn imports its module (a test module
         # is importable only from the paths pytest added).
         call.write_bytes(pickle.dumps((list(sys.path), pickle.dumps((fn, args, kwargs, init_group)))))
-        procs = []
+        ctx, procs = _server(), []
         for rank, extra in enumerate(envs):
-            out = open(work / f"{rank}.log", "w")  # noqa: SIM115 (closed below, after the process)
-            cmd = [sys.executable, "-m", __name__, str(call), str(work / f"{rank}.result")]
+            env = clean_env(**{"OMP_NUM_THREADS": "1", **extra})
+            paths = (str(call), str(work / f"{rank}.result"), str(work / f"{rank}.log"))
             procs.append(
-                (
-                    subprocess.Popen(
-                        cmd,
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        env=clean_env(**{"OMP_NUM_THREADS": "1", **extra}),
-                        cwd=os.getcwd(),
-                    ),
-                    out,
-                )
+                ctx.Process(target=_rank_process, args=(*paths, env, os.getcwd()), name=f"rank{rank}")
             )
+            procs[-1].start()
         try:
             failure = _wait(procs, work, time.monotonic() + timeout)
         finally:
-            for proc, out in procs:
-                if proc.poll() is None:
+            for proc in procs:
+                if proc.exitcode is None:
                     proc.kill()
-                proc.wait()
-                out.close()
+                proc.join()
         if failure is not None:
             raise RankFailed(failure)
         results = []
@@ -251,8 +264,8 @@ def _wait(procs: list, work: Path, deadline: float) -> str | None:
     while True:
         running = False
         raised = []
-        for rank, (proc, _) in enumerate(procs):
-            code = proc.poll()
+        for rank, proc in enumerate(procs):
+            code = proc.exitcode
             result = work / f"{rank}.result"  # written whole (a rename), read even before the rank exits
             if result.exists():
                 ok, value = pickle.loads(result.read_bytes())
@@ -277,6 +290,25 @@ def _wait(procs: list, work: Path, deadline: float) -> str | None:
             )
             return f"the ranks did not finish in time (a hang?); their output ends:\n{logs}"
         time.sleep(0.05)
+
+
+def _rank_process(call_path: str, result_path: str, log_path: str, env: dict[str, str], cwd: str) -> None:
+    """A rank, forked from the server: its output to ``log_path``, ``env`` as its whole environment,
+    ``cwd``, the thread count ``OMP_NUM_THREADS`` asks for (the server's OpenMP read it at start),
+    then :func:`_rank_main`."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    import torch
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or os.cpu_count() or 1))
+    _rank_main(call_path, result_path)
 
 
 def _rank_main(call_path: str, result_path: str) -> None:
@@ -304,7 +336,3 @@ def _rank_main(call_path: str, result_path: str) -> None:
         sys.stderr.flush()
         os._exit(1)  # no barrier: the other ranks may never reach it; the parent stops them
     finish()
-
-
-if __name__ == "__main__":
-    _rank_main(*sys.argv[1:3])

@@ -54,3 +54,30 @@ def test_a_hang_fails_at_the_timeout():
 
 def test_one_process_runs_without_launcher_variables():
     assert run_in_subprocess(_launcher_env) == {"RANK": None, "WORLD_SIZE": None, "OMP_NUM_THREADS": "1"}
+
+
+def _dies() -> None:
+    import os
+
+    print("about to die", flush=True)
+    os._exit(3)
+
+
+def _threads_and(name: str) -> tuple[int, str | None]:
+    import os
+
+    return torch.get_num_threads(), os.environ.get(name)
+
+
+def test_a_rank_that_dies_fails_the_run_with_its_output():
+    with pytest.raises(RankFailed, match=r"(?s)rank 0 of 2 exited with 3 and no result.*about to die"):
+        run_on_ranks(_dies, 2, init_group=False, timeout=120)
+
+
+def test_each_call_gets_its_own_environment_and_thread_count(monkeypatch):
+    """The ranks fork from one server started by an earlier call: each still gets the environment
+    of its own call (a variable set since) and the thread count that environment asks for."""
+    run_in_subprocess(_threads_and, "X")  # the server is running
+    monkeypatch.setenv("FORKRL_RANKS_PROBE", "set after the server started")
+    assert run_in_subprocess(_threads_and, "FORKRL_RANKS_PROBE") == (1, "set after the server started")
+    assert run_in_subprocess(_threads_and, "FORKRL_RANKS_PROBE", env={"OMP_NUM_THREADS": "2"})[0] == 2
