@@ -167,7 +167,7 @@ def run_on_ranks(
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` local ranks and return each rank's result.
 
-    Each rank is a fresh interpreter (one OpenMP thread unless ``env`` says otherwise) with
+    Each rank is a new process (one OpenMP thread unless ``env`` says otherwise) with
     torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
     ``MASTER_PORT`` on a free port); with ``init_group`` it joins a gloo group before ``fn`` runs,
     unless importing ``fn``'s module started one (leave it off when the host code under test starts
@@ -208,7 +208,7 @@ def run_on_ranks(
 def run_in_subprocess(
     fn: Callable[..., Any], *args: Any, timeout: float = 600, env: dict[str, str] | None = None, **kwargs: Any
 ) -> Any:
-    """Run ``fn(*args, **kwargs)`` once in a fresh interpreter without launcher variables (no
+    """Run ``fn(*args, **kwargs)`` once in a new process without launcher variables (no
     process group; one OpenMP thread unless ``env`` says otherwise) and return its result.
 
     Raises:
