@@ -11,9 +11,11 @@
 # models are tiny, and a second intra-op thread makes a test about 6% faster for 40% more CPU time. The
 # tests marked `timing` compare measured speeds, which a busy machine skews: they run after, alone, with
 # torch's default threads (on a shared machine, `-m "not timing"` leaves them out). The veRL, OpenRLHF and
-# TRL + vLLM suites then run side by side (each to its own log, printed when all are done): their
-# end-to-end runs spend much of their time starting processes and importing, and none of their tests
-# times anything. Each prints its slowest tests (--durations), what to look at first when the run grows.
+# TRL + vLLM suites then run side by side (each to its own log, printed when all are done), one thread
+# per process as well (three suites on two cores: a second thread spins more than it computes; measured,
+# the phase took 18:27 against 22:13): their end-to-end runs spend much of their time starting processes
+# and importing, and none of their tests times anything. Each prints its slowest tests (--durations),
+# what to look at first when the run grows.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -45,6 +47,7 @@ else  # arguments of your own (-k name) may select no timing test, which is no f
 fi
 
 logs="$(mktemp -d)"
+export OMP_NUM_THREADS=1
 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv-verl/torch_extensions}" \
     run "veRL" .venv-verl/bin/python tests/verl >"$logs/verl" 2>&1 &
 verl=$!
