@@ -6,7 +6,8 @@ host-to-device copy from pageable memory does too. This counts them at the Qwen2
 (24 layers, 14 heads, 2 KV heads, vocabulary 151936; tiny widths, so it runs on a CPU in seconds),
 for one gradient call (``TreeExecutor.backward``) of each mode (keep mode level-batched and depth
 first) against the plain computation
-(micro-batches of ``--micro-batch`` right-padded sequences, one forward and backward each):
+(micro-batches of ``--micro-batch`` right-padded sequences, one forward and backward each, the head
+from the first scored position on as TRL's ``logits_to_keep`` runs it):
 
     ops        non-view ATen ops of the whole call
     syncs      synchronising ops inside the pass (``.item()``, ``nonzero``, ``unique``, ...)
