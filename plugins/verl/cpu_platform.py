@@ -22,10 +22,12 @@ from types import ModuleType, SimpleNamespace
 import torch
 from verl.plugin.platform.platform_base import PlatformBase
 
+from .cpu_run import PLATFORM
+
 __all__ = ["NAME", "CPUPlatform", "register"]
 
 #: The platform's name for ``VERL_PLATFORM``.
-NAME = "forkrl_cpu"
+NAME = PLATFORM
 
 
 class _CPUDeviceModule(ModuleType):

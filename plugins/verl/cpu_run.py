@@ -45,7 +45,7 @@ from collections.abc import Mapping, Sequence
 from . import CONFIG_DIR
 
 __all__ = [
-    "CPU_OVERRIDES", "HOST_MODULE", "ROLLOUT", "ROLLOUTS", "SMOKE_SIZES", "VLLM_OVERRIDES", "command",
+    "CPU_OVERRIDES", "HOST_MODULE", "PLATFORM", "ROLLOUT", "ROLLOUTS", "SMOKE_SIZES", "VLLM_OVERRIDES", "command",
     "default_rollout", "environment", "main",
 ]  # fmt: skip
 
@@ -55,6 +55,9 @@ ROLLOUT = "hf_cpu"
 ROLLOUTS = ("vllm", "hf")
 #: The module veRL imports in every process of a CPU run (:mod:`.cpu_host`).
 HOST_MODULE = "forkrl.plugins.verl.cpu_host"
+#: The CPU platform's name for ``VERL_PLATFORM`` (:mod:`.cpu_platform` registers it): here, so that
+#: the launcher builds the environment without importing torch and veRL (about 5 s of CPU per run).
+PLATFORM = "forkrl_cpu"
 
 #: What a CPU machine needs, each for the reason given.
 CPU_OVERRIDES = (
@@ -165,12 +168,10 @@ def environment(base: Mapping[str, str] | None = None, rollout: str = "hf") -> d
     cuda/npu only; the tensors stay on the CPU), no ``RAY_ADDRESS`` (the run starts its own Ray),
     and quieter defaults (tokenizer threads, Ray usage statistics, Ray's idle workers) unless set;
     for the ``vllm`` rollout, forkrl's dense CPU linears and 1 GiB of vLLM's CPU cache unless set."""
-    from .cpu_platform import NAME
-
     env = dict(os.environ if base is None else base)
     modules = [m for m in env.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m and m != HOST_MODULE]
     env["VERL_USE_EXTERNAL_MODULES"] = ",".join([HOST_MODULE, *modules])
-    env["VERL_PLATFORM"] = NAME
+    env["VERL_PLATFORM"] = PLATFORM
     env["VERL_ENGINE_DEVICE"] = "cuda"
     env.pop("RAY_ADDRESS", None)
     for key, value in dict(
