@@ -132,8 +132,8 @@ def finish() -> None:
 
 
 #: Libraries the rank server imports when this process has (with forkrl's core, always): what a
-#: rank's module would import anyway, imported once. Each is safe to fork: it starts no thread and
-#: no runtime on import.
+#: rank's module would import anyway, imported once. None starts a Python thread, a process group,
+#: Ray or an engine on import, so the server forks cleanly.
 PRELOAD = ("torch", "transformers", "accelerate", "peft", "datasets", "deepspeed", "trl", "verl", "openrlhf")
 
 
@@ -274,7 +274,7 @@ def _wait(procs: list, work: Path, deadline: float) -> str | None:
             if code is None:
                 running = True
             elif not result.exists():
-                log = (work / f"{rank}.log").read_text(errors="replace")[-4000:]
+                log = _tail(work / f"{rank}.log", 4000)
                 return (
                     f"rank {rank} of {len(procs)} exited with {code} and no result; its output ends:\n{log}"
                 )
@@ -285,11 +285,15 @@ def _wait(procs: list, work: Path, deadline: float) -> str | None:
             return None
         if time.monotonic() > deadline:
             logs = "\n".join(
-                f"--- rank {rank}:\n" + (work / f"{rank}.log").read_text(errors="replace")[-2000:]
-                for rank in range(len(procs))
+                f"--- rank {rank}:\n" + _tail(work / f"{rank}.log", 2000) for rank in range(len(procs))
             )
             return f"the ranks did not finish in time (a hang?); their output ends:\n{logs}"
         time.sleep(0.05)
+
+
+def _tail(log: Path, chars: int) -> str:
+    """The end of a rank's output; empty when the rank died before it opened its log."""
+    return log.read_text(errors="replace")[-chars:] if log.exists() else ""
 
 
 def _rank_process(call_path: str, result_path: str, log_path: str, env: dict[str, str], cwd: str) -> None:
