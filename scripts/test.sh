@@ -12,9 +12,9 @@
 # tests marked `timing` compare measured speeds, which a busy machine skews: they run after, alone, with
 # torch's default threads (on a shared machine, `-m "not timing"` leaves them out). The veRL, OpenRLHF and
 # TRL + vLLM suites then run side by side (each to its own log, printed when all are done), one thread
-# per process as well (three suites on two cores: a second thread spins more than it computes; measured,
-# the phase took 18:27 against 22:13): their end-to-end runs spend much of their time starting processes
-# and importing, and none of their tests times anything. Each prints its slowest tests (--durations),
+# per process as well (three suites on two cores: a second thread spins more than it computes): their
+# end-to-end runs spend much of their time starting processes and importing, and none of their tests
+# times anything. Each prints its slowest tests (--durations),
 # what to look at first when the run grows.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

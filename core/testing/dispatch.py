@@ -183,9 +183,9 @@ def count_call(executor, call: Callable[[], object]) -> PassCounts:
 def count_dense(model, sequences: list[list[int]], score_from: list[int], micro_batch: int) -> PassCounts:
     """The plain computation's counts: per micro-batch of ``micro_batch`` sequences (right-padded,
     with an attention mask, as hosts pack them), one forward, log-probs of the scored tokens and one
-    backward of their sum. The head runs from the micro-batch's first scored position on (TRL's
-    ``logits_to_keep``): the ops are the same as over every position (a slice is a view), at a
-    fraction of the time when the vocabulary is large."""
+    backward of their sum. The head runs from the micro-batch's first scored position on, as TRL's
+    ``logits_to_keep`` runs it: two ops more per micro-batch than over every position (the slice's
+    copy and its backward), at a fraction of the time when the vocabulary is large."""
     counter, runs = DispatchCounter(), 0
     device = next(model.parameters()).device
     batches = []

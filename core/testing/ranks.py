@@ -311,7 +311,7 @@ def _rank_process(call_path: str, result_path: str, log_path: str, env: dict[str
     os.chdir(cwd)
     import torch
 
-    torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or os.cpu_count() or 1))
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # _launch always sets it
     _rank_main(call_path, result_path)
 
 
