@@ -66,6 +66,9 @@ CPU_OVERRIDES = (
     "actor_rollout_ref.ref.strategy=fsdp2",
     "actor_rollout_ref.actor.use_torch_compile=False",
     "actor_rollout_ref.ref.use_torch_compile=False",
+    # the engine's entropy under torch.compile: inductor builds C++ at the first step (about 20 s)
+    "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
+    "actor_rollout_ref.ref.fsdp_config.use_torch_compile=False",
     "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
     "actor_rollout_ref.rollout.agent.num_workers=1",
     "reward.num_workers=1",
