@@ -28,7 +28,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from .group import free_port
 
 __all__ = [
     "LAUNCHER_ENV",
@@ -150,12 +151,6 @@ class RankFailed(AssertionError):
     """A rank of :func:`run_on_ranks` raised (or died, or hung); the message carries its traceback."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_on_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -189,7 +184,7 @@ def run_on_ranks(
     Raises:
         RankFailed: when a rank raised (its traceback), died, or the run timed out.
     """
-    port = str(_free_port())
+    port = str(free_port())
     envs = [
         {
             "RANK": str(rank),

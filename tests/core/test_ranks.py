@@ -4,10 +4,14 @@ waiting in a collective), and a hang fails at the timeout."""
 
 from __future__ import annotations
 
+import socket
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 
+from forkrl.core.testing.group import free_port
 from forkrl.core.testing.ranks import RankFailed, run_in_subprocess, run_on_ranks
 
 pytestmark = pytest.mark.slow  # starts several processes per test
@@ -81,3 +85,13 @@ def test_each_call_gets_its_own_environment_and_thread_count(monkeypatch):
     monkeypatch.setenv("FORKRL_RANKS_PROBE", "set after the server started")
     assert run_in_subprocess(_threads_and, "FORKRL_RANKS_PROBE") == (1, "set after the server started")
     assert run_in_subprocess(_threads_and, "FORKRL_RANKS_PROBE", env={"OMP_NUM_THREADS": "2"})[0] == 2
+
+
+def test_a_free_port_is_bindable_and_outside_the_ephemeral_range():
+    """Ports the kernel hands out to outgoing connections (and to ``bind(0)``) are the ones another
+    process beside a test can take before its rank listens."""
+    low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) > 1 and not any(low <= p <= high for p in ports)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import socket
 import types
 from importlib.metadata import entry_points
 
@@ -27,6 +26,7 @@ pytest.importorskip("vllm")
 from forkrl.core.compat import Private  # noqa: E402
 from forkrl.core.quant import QuantLinear  # noqa: E402
 from forkrl.core.speculative import SpeculativeOptions  # noqa: E402
+from forkrl.core.testing.group import free_port  # noqa: E402
 from forkrl.plugins import vllm as fv  # noqa: E402
 from forkrl.plugins.vllm import compat as vllm_compat  # noqa: E402
 from forkrl.plugins.vllm import speculative as ve  # noqa: E402
@@ -64,9 +64,7 @@ def env(tmp_path_factory):
     target_config = ModelConfig(
         model=str(path), dtype=torch.float32, skip_tokenizer_init=True, enforce_eager=True
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with set_current_vllm_config(
         VllmConfig(model_config=target_config, device_config=DeviceConfig(device="cpu"))
     ):

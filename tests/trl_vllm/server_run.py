@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ from pathlib import Path
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+from forkrl.core.testing.group import free_port  # noqa: E402
 from tests.openrlhf import vllm_cpu_engine as run  # noqa: E402
 
 SERVER_START_S = 300
@@ -101,12 +101,6 @@ def fresh(folder: Path) -> dict:
     return {"greedy1": greedy, "counts1": counts}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def server(folder: Path) -> dict:
     import requests
     from trl.generation.vllm_client import VLLMClient
@@ -114,7 +108,7 @@ def server(folder: Path) -> dict:
     from forkrl.plugins.trl.vllm_speculative import prometheus_counters
 
     (w0, _, _), _ = run.save_policies(folder)
-    port = _free_port()
+    port = free_port()
     command = [
         sys.executable, "-m", "forkrl.plugins.trl.vllm_serve", "--model", w0, "--port", str(port),
         "--forkrl.speculative_draft_len", "4", "--forkrl.speculative_group_size", "32",

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from forkrl.core.testing.group import free_port
 
 pytest.importorskip("vllm")
 pytest.importorskip("trl")
@@ -28,9 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def free_port_env() -> dict[str, str]:
     """This environment with ``MASTER_PORT`` on a free port: TRL's colocated engine joins a one-rank
     group at ``MASTER_PORT`` (else 29500), and scripts/test.sh runs other suites beside this one."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return {**os.environ, "MASTER_PORT": str(s.getsockname()[1])}
+    return {**os.environ, "MASTER_PORT": str(free_port())}
 
 
 @pytest.fixture(scope="module")
