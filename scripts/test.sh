@@ -48,13 +48,14 @@ fi
 
 logs="$(mktemp -d)"
 export OMP_NUM_THREADS=1
-# veRL's is the longest, most of it two files of whole runs (vLLM's and the Hugging Face rollout's):
-# two workers, a file each, so that it also takes the cores the other two leave when they finish.
+# veRL's and OpenRLHF's are the longest, most of each two files of whole runs (vLLM's and the Hugging
+# Face rollout's): two workers each, a file each, so that the last to finish also takes the core the
+# others leave.
 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv-verl/torch_extensions}" \
     run "veRL" .venv-verl/bin/python -n 2 --dist loadfile tests/verl >"$logs/verl" 2>&1 &
 verl=$!
 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.venv-openrlhf/torch_extensions}" \
-    run "OpenRLHF" .venv-openrlhf/bin/python tests/openrlhf >"$logs/openrlhf" 2>&1 &
+    run "OpenRLHF" .venv-openrlhf/bin/python -n 2 --dist loadfile tests/openrlhf >"$logs/openrlhf" 2>&1 &
 openrlhf=$!
 # A few minutes, mostly starting engines: beside the two above rather than after them.
 run "TRL + vLLM" .venv-trl-vllm/bin/python tests/trl_vllm >"$logs/trl_vllm" 2>&1 &

@@ -15,65 +15,31 @@ custom reward file (``--reward.remote_url``), dense enough that every group has 
 
 The checkpointed tree run saves OpenRLHF's own training checkpoint every step (``--ckpt.save_steps``),
 and another run resumes from its step-1 checkpoint (``--ckpt.load_enable``) and must end where it
-ended. These two sample with the CPU run's Hugging Face rollout (``--rollout hf``): its samples are a
+ended. These two (this file; the vLLM runs are test_openrlhf_e2e_vllm.py's) sample with the CPU run's Hugging Face rollout (``--rollout hf``): its samples are a
 function of the weights and the prompts alone, where vLLM's depend on how its scheduler batched the
 requests, so only it lets a resumed run see the uninterrupted run's rollouts.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 
 import pytest
 import torch
 
-from forkrl.core.testing.models import byte_llama, byte_tokenizer, save_pretrained
 from forkrl.plugins.openrlhf.testing_e2e import PROMPTS_PER_STEP
 from forkrl.plugins.openrlhf.testing_e2e import launch as _launch
 from forkrl.plugins.openrlhf.testing_e2e import saved_parameters as _parameters
 from forkrl.plugins.openrlhf.testing_e2e import scalars as _scalars
+from tests.openrlhf.e2e_checks import STEPS, assert_trained, build_data
 
 pytestmark = pytest.mark.slow  # OpenRLHF's launcher end to end through Ray
-
-STEPS = 2
-
-
-def _assert_trained(data: dict, run: dict) -> None:
-    """Every weight matrix of the saved model differs from the initial one, beyond the rounding of
-    OpenRLHF's bf16 parameters (the initial model is float32)."""
-    init = {n: p.bfloat16().float() for n, p in _parameters(data["model"]).items()}
-    final = _parameters(run["out"] / "final")
-    assert final.keys() == init.keys()
-    unchanged = [n for n, p in final.items() if p.dim() == 2 and torch.equal(p, init[n])]
-    assert not unchanged, unchanged
-    assert max((final[n] - init[n]).abs().max().item() for n in init) > 1e-3
-
-
-#: The tiny Llama's shape: attention heads of 32 (vLLM's CPU attention has no smaller kernel).
-VLLM_SHAPE = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1)
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> dict:
-    """The tiny model and byte tokenizer saved to disk, and a prompt file for exactly ``STEPS`` steps;
-    ``peaked``: the same model with a sharper head (the drafter's tokens then get accepted at
-    temperature 1, where vLLM's greedy drafts of a near-uniform policy almost never are)."""
-    root = tmp_path_factory.mktemp("openrlhf-e2e")
-    model = save_pretrained(byte_llama(0, **VLLM_SHAPE), byte_tokenizer(), root / "model")
-    peaked = byte_llama(0, **VLLM_SHAPE)
-    with torch.no_grad():
-        peaked.lm_head.weight.mul_(6)
-    prompts = root / "prompts.jsonl"
-    rows = [{"input": f"{7 * i}+{i + 3}="} for i in range(STEPS * PROMPTS_PER_STEP)]
-    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return {
-        "model": model,
-        "peaked": save_pretrained(peaked, byte_tokenizer(), root / "peaked"),
-        "prompts": prompts,
-        "hf_home": root / "hf",
-    }
+    return build_data(tmp_path_factory.mktemp("openrlhf-e2e"))
 
 
 def _rollouts(log: str) -> list[tuple[str, int]]:
@@ -95,7 +61,7 @@ def tree_run(data, tmp_path_factory) -> dict:
 
 
 def test_the_tree_run_trains_and_logs_in_openrlhfs_own_log(data, tree_run):
-    _assert_trained(data, tree_run)
+    assert_trained(data, tree_run)
     scalars = _scalars(tree_run["out"] / "tb")
     tree = {tag: steps for tag, steps in scalars.items() if tag.startswith("train/tree/")}
     expected = {"train/tree/compression", "train/tree/unique_tokens", "train/tree/mode"}
@@ -106,41 +72,6 @@ def test_the_tree_run_trains_and_logs_in_openrlhfs_own_log(data, tree_run):
     # the KL loss ran against the reference actor: zero at step 1 (policy == reference), then not
     assert scalars["train/kl"][1] == 0.0 and scalars["train/kl"][STEPS] > 0.0
     assert "Global step 2" in tree_run["log"]
-
-
-def _vllm_loads(log: str) -> list[int]:
-    """The vLLM rollout's weight syncs: the parameters each one loaded into the engine."""
-    return [int(m[2]) for m in re.finditer(r"cpu vllm rollout: load #(\d+): (\d+) parameters", log)]
-
-
-def test_stock_openrlhf_runs_through_the_same_harness_on_vllm(data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("stock")
-    run = _launch("openrlhf.cli.train_ppo_ray", data, out)
-    _assert_trained(data, run)
-    scalars = _scalars(out / "tb")
-    assert sorted(scalars["train/policy_loss"]) == list(range(1, STEPS + 1))
-    assert scalars["train/kl"][STEPS] > 0.0
-    assert not [tag for tag in scalars if "tree/" in tag or "spec/" in tag]
-    assert "'tree/" not in run["log"]  # nor in the console's step summaries
-    assert _vllm_loads(run["log"]) == [15] * STEPS  # every parameter of the engine, after every step
-
-
-def test_the_tree_and_speculative_run_trains_on_vllm_and_logs_spec_metrics(data, tmp_path_factory):
-    """forkrl's tree and its self-speculative rollout through OpenRLHF's vLLM engine: the drafter is
-    forkrl's int4 quantization of the policy, re-quantized after every weight sync."""
-    out = tmp_path_factory.mktemp("speculative")
-    flags = ["--forkrl.tree_packing", "--forkrl.speculative_rollout", "--forkrl.speculative_draft_len", "3"]
-    flags += ["--forkrl.speculative_group_size", "32"]
-    run = _launch("forkrl.plugins.openrlhf.train_ppo_ray", {**data, "model": data["peaked"]}, out, *flags)
-    _assert_trained({**data, "model": data["peaked"]}, run)
-    scalars = _scalars(out / "tb")
-    assert sorted(scalars["train/tree/compression"]) == list(range(1, STEPS + 1))
-    spec = {tag: steps for tag, steps in scalars.items() if tag.startswith("train/spec/")}
-    assert {"train/spec/acceptance", "train/spec/draft_len", "train/spec/mean_accepted_length"} <= spec.keys()
-    assert all(sorted(steps) == list(range(1, STEPS + 1)) for steps in spec.values())
-    assert set(spec["train/spec/draft_len"].values()) == {3.0}
-    assert all(0.0 < v <= 1.0 for v in spec["train/spec/acceptance"].values())  # sampled drafts may all pass
-    assert _vllm_loads(run["log"]) == [15] * STEPS
 
 
 def test_resuming_from_a_checkpoint_equals_the_uninterrupted_run(data, tree_run, tmp_path_factory):
