@@ -47,7 +47,7 @@ class ModeEstimate:
     Every speedup is the stock path's predicted cost over this path's, both from the same cost
     models: the stock path's own is 1.0 exactly. The ranges are the lowest and highest speedup
     predicted by the cost models fitted to each repeat's timings alone (equal to the speedup when
-    the pricing has no repeats); the estimate itself comes from the fit to each shape's median,
+    the pricing has no repeats); the estimate itself comes from the fit to each shape's fastest repeat,
     which can lie outside that range.
 
     Attributes:

@@ -25,15 +25,18 @@ and counts that thread's CPU time, which leaves out the time another process hel
 Beyond that, every shape is first run untimed (its allocations and first-use work), each timed
 sample runs the call until it lasts ``min_seconds`` (short calls are mostly timer and scheduler
 jitter), the paths of a shape are timed back to back in every repeat (load that changes over the
-fit hits stock and tree alike), and the fit takes each point's median over the repeats, since a
-fit of four coefficients to six points amplifies whatever noise its points carry when it
-extrapolates. The prediction is for the thread count timed: the tree's speedup on one thread is
+fit hits stock and tree alike), Python's garbage collector is off inside a timed call, and the fit
+takes each point's fastest repeat, since a fit of four coefficients to six points amplifies
+whatever noise its points carry when it extrapolates, and on one thread's CPU time the noise only
+adds (another process sharing the cache, the memory bus or the core's other hyperthread): the
+fastest sample is the closest to the work itself. The prediction is for the thread count timed: the tree's speedup on one thread is
 not its speedup on many. The steps priced later are the workload's own: the fit never times them.
 Autograd's saved bytes are measured on the same batches, per held token and per scored row.
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import time
@@ -227,13 +230,24 @@ def calibration_coefs(step: Step, seed: int = 0) -> list[torch.Tensor]:
 def _timed(
     model: nn.Module, fn: Callable[[], object], calls: int = 1, clock: Callable[[], float] = time.perf_counter
 ) -> float:
-    """Seconds per call of ``fn`` over ``calls`` calls by ``clock`` (gradients cleared before each, untimed)."""
+    """Seconds per call of ``fn`` over ``calls`` calls by ``clock`` (gradients cleared before each, untimed).
+
+    Python's garbage collector is off while a call runs, as in :mod:`timeit`: a full collection
+    costs in proportion to every object the process holds (a test session's, a host's), not to the
+    path timed, and one inside a small shape's sample made it several times its median.
+    """
     total = 0.0
+    collecting = gc.isenabled()
     for _ in range(calls):
         model.zero_grad(set_to_none=True)
-        start = clock()
-        fn()
-        total += clock() - start
+        gc.disable()
+        try:
+            start = clock()
+            fn()
+            total += clock() - start
+        finally:
+            if collecting:
+                gc.enable()
     return total / calls
 
 
@@ -269,7 +283,7 @@ def fit_pricing(
         progress: called with a line before each stage.
 
     Returns:
-        A :class:`Pricing` fitted to each point's median over the repeats, with ``repeats`` (one
+        A :class:`Pricing` fitted to each point's fastest repeat, with ``repeats`` (one
         fit per repeat) and ``timing_spread``; a tree mode the model refuses is in ``refused``.
 
     Raises:
@@ -316,7 +330,7 @@ def fit_pricing(
     return Pricing(
         how=f"fitted on this machine ({_processor()}) to {len(steps)} batches cut from a step, timed {repeats} times each on "
         f"{used} thread{'s' if used > 1 else ''}",
-        costs=timings.costs(statistics.median),
+        costs=timings.costs(min),
         saved_bytes={name: _per_token(r) for name, r in timings.saved.items()},
         cache_bytes_per_token=_cache_bytes_per_token(model.config, next(model.parameters()).element_size()),
         repeats=[timings.costs(lambda t, rep=rep: t[rep]) for rep in range(repeats)],
