@@ -115,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         metavar="N",
         help=f"timed samples per calibration batch when the model is timed (default {DEFAULT_REPEATS}, at "
-        "least 2): more narrow the reported spread",
+        "least 2): each batch's fastest is fitted, so more make the estimate steadier",
     )
     est.add_argument(
         "--timing-threads",
