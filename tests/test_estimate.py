@@ -6,6 +6,7 @@ its predicted speedup holds against measured steps (``benchmarks.estimate_check`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -17,7 +18,7 @@ import torch
 from transformers import AutoConfig
 
 from forkrl.__main__ import main, parameter_count
-from forkrl.core.balance.cost import CostModel
+from forkrl.core.balance.cost import CostModel, PieceStats
 from forkrl.core.estimate import PathCosts, Pricing, estimate, fit_pricing, format_report, read_workload
 from forkrl.core.estimate.pricing import calibration_steps, dense_step
 from forkrl.core.estimate.workload import Step
@@ -375,6 +376,43 @@ def test_the_spread_is_the_range_over_the_repeats_and_is_printed():
     margin = max(max(each) - keep.train_speedup, keep.train_speedup - min(each))
     row = next(line for line in format_report(est).splitlines() if line.startswith("keep"))
     assert f"{keep.train_speedup:.2f}x ±{margin:.2f}" in row
+
+
+def test_the_fit_takes_each_batchs_fastest_repeat_timed_with_the_collector_off(monkeypatch):
+    """Timed on one thread's CPU time, another process's load only adds: a repeat it slowed (here a
+    sample 4x its batch's others) leaves the fit to each batch's fastest repeat as it was. A timed
+    call runs with Python's garbage collector off (a full collection costs in proportion to the
+    process's objects, not to the path timed)."""
+    import gc
+
+    from forkrl.core.estimate import pricing
+
+    sizes = (64, 96, 128, 192, 256, 384)
+    stats = [
+        PieceStats(tokens=t, attended=t * t / 2, units=1 + k % 2, scored=t / (2 + k))
+        for k, t in enumerate(sizes)
+    ]
+    fastest = [1e-4 * t + 1e-7 * t * t for t in sizes]
+    seconds = [[f, 4 * f, 1.1 * f] if k % 2 else [1.2 * f, f, 1.3 * f] for k, f in enumerate(fastest)]
+    monkeypatch.setattr(
+        pricing, "_measure", lambda *_: pricing._Timings({"dense": stats}, {"dense": seconds}, {})
+    )
+    monkeypatch.setattr(pricing, "_warm_up", lambda *_: None)
+    monkeypatch.setattr(pricing, "_executors", lambda *_: ({}, {}))
+    model = byte_llama(0, hidden_size=32, intermediate_size=64)
+    fitted = fit_pricing(model, [None] * 4, 4096, 512, 4096).costs.train["dense"]
+
+    def coefficients(model: CostModel) -> list[float]:
+        return list(dataclasses.astuple(model))
+
+    assert coefficients(fitted) == pytest.approx(coefficients(CostModel.fit(stats, fastest)), rel=1e-9)
+    median = CostModel.fit(stats, [sorted(t)[1] for t in seconds])
+    assert coefficients(fitted) != pytest.approx(coefficients(median), rel=0.01)
+
+    collecting = []
+    assert gc.isenabled()
+    pricing._timed(model, lambda: collecting.append(gc.isenabled()), calls=2)
+    assert collecting == [False, False] and gc.isenabled()
 
 
 @pytest.mark.parametrize(
