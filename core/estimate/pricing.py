@@ -26,11 +26,12 @@ Beyond that, every shape is first run untimed (its allocations and first-use wor
 sample runs the call until it lasts ``min_seconds`` (short calls are mostly timer and scheduler
 jitter), the paths of a shape are timed back to back in every repeat (load that changes over the
 fit hits stock and tree alike), Python's garbage collector is off inside a timed call, and the fit
-takes each point's fastest repeat, since a fit of four coefficients to six points amplifies
-whatever noise its points carry when it extrapolates, and on one thread's CPU time the noise only
-adds (another process sharing the cache, the memory bus or the core's other hyperthread): the
-fastest sample is the closest to the work itself. The prediction is for the thread count timed: the tree's speedup on one thread is
-not its speedup on many. The steps priced later are the workload's own: the fit never times them.
+takes each point's fastest repeat, since a fit of four coefficients to six points amplifies whatever
+noise its points carry when it extrapolates, and on one thread's CPU time the noise only adds
+(another process sharing the cache, the memory bus or the core's other hyperthread): the fastest
+sample is the closest to the work itself. The prediction is for the thread count timed: the tree's
+speedup on one thread is not its speedup on many. The steps priced later are the workload's own: the
+fit never times them.
 Autograd's saved bytes are measured on the same batches, per held token and per scored row.
 """
 

@@ -13,11 +13,12 @@ none; the speculative run (``--forkrl.speculative_rollout``: forkrl's int4 draft
 logs ``spec/*`` every step. The reward is the fraction of digits in the response, through OpenRLHF's
 custom reward file (``--reward.remote_url``), dense enough that every group has nonzero advantages.
 
-The checkpointed tree run saves OpenRLHF's own training checkpoint every step (``--ckpt.save_steps``),
-and another run resumes from its step-1 checkpoint (``--ckpt.load_enable``) and must end where it
-ended. These two (this file; the vLLM runs are test_openrlhf_e2e_vllm.py's) sample with the CPU run's Hugging Face rollout (``--rollout hf``): its samples are a
-function of the weights and the prompts alone, where vLLM's depend on how its scheduler batched the
-requests, so only it lets a resumed run see the uninterrupted run's rollouts.
+The checkpointed tree run saves OpenRLHF's own training checkpoint every step
+(``--ckpt.save_steps``), and another run resumes from its step-1 checkpoint (``--ckpt.load_enable``)
+and must end where it ended. These two (this file; the vLLM runs are test_openrlhf_e2e_vllm.py's)
+sample with the CPU run's Hugging Face rollout (``--rollout hf``): its samples are a function of the
+weights and the prompts alone, where vLLM's depend on how its scheduler batched the requests, so
+only it lets a resumed run see the uninterrupted run's rollouts.
 """
 
 from __future__ import annotations
