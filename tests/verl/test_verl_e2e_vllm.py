@@ -1,5 +1,5 @@
-"""veRL end to end on its own vLLM rollout (veRL's vLLM server on vLLM's CPU build): stock veRL, the
-long-context config and the tree with forkrl's drafter, launched as test_verl_e2e.py launches its
+"""veRL end to end on its own vLLM rollout (veRL's vLLM server on vLLM's CPU build): stock veRL, and the
+tree in long-context replay with forkrl's drafter, launched as test_verl_e2e.py launches its
 runs, with the same checks; a file of its own so that scripts/test.sh runs it beside that one."""
 
 from __future__ import annotations
@@ -26,17 +26,15 @@ def test_stock_verl_runs_through_the_same_harness_on_vllm(vllm_inputs, tmp_path)
     check_vllm_rollouts(check_run(vllm_inputs, tmp_path, log, tree=False))
 
 
-def test_the_long_context_run_trains_in_replay_on_vllm(vllm_inputs, tmp_path):
-    log = main_ppo(vllm_inputs, tmp_path, "forkrl_long_context", rollout="vllm")
+def test_the_long_context_tree_and_speculative_run_trains_on_vllm(vllm_inputs, tmp_path):
+    """forkrl_tree_speculative with long-context replay: the tree in replay (each prompt without
+    autograd, its cache kept, the responses replayed into it) in the actor, forkrl's int4 drafter in
+    veRL's vLLM engine, re-synced by forkrl's vLLM plugin after every weight update veRL sends (its
+    shared-memory bucketed transfer, ending in the engine's ``load_weights``). One run for both: the
+    actor's mode and the engine's drafter are independent, and test_verl_e2e.py runs the tree in keep."""
+    replay = "actor_rollout_ref.actor.forkrl.long_context_replay=true"
+    log = main_ppo(vllm_inputs, tmp_path, "forkrl_tree_speculative", replay, rollout="vllm")
     logged = check_run(vllm_inputs, tmp_path, log, tree=True)
-    assert all(m["data"]["actor/tree/mode"] == 1 for m in logged)
+    assert all(m["data"]["actor/tree/mode"] == 1 for m in logged)  # replay
     check_vllm_rollouts(logged)
-
-
-def test_the_tree_and_speculative_run_trains_on_vllm(vllm_inputs, tmp_path):
-    """forkrl_tree_speculative: the tree in the actor, forkrl's int4 drafter in veRL's vLLM engine,
-    re-synced by forkrl's vLLM plugin after every weight update veRL sends (its shared-memory
-    bucketed transfer, ending in the engine's ``load_weights``)."""
-    log = main_ppo(vllm_inputs, tmp_path, "forkrl_tree_speculative", rollout="vllm")
-    check_vllm_rollouts(check_run(vllm_inputs, tmp_path, log, tree=True))
     assert "forkrl_int4_g128" in log  # vLLM's engine config, printed as it starts
