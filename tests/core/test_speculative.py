@@ -31,6 +31,7 @@ from forkrl.core.speculative import (
     warp_logits,
 )
 from forkrl.core.testing.models import tiny_causal_lm as make_model
+from tests.stats import chi_square_pvalue
 
 # Intermediate 64 so every in_features (32, 64) fits int4 group size 32.
 SIZES = dict(intermediate_size=64)
@@ -370,21 +371,6 @@ def exact_joint(model, prompt, steps, temperature, top_k, top_p) -> torch.Tensor
             [prefixes.repeat_interleave(vocab, 0), torch.arange(vocab).repeat(prefixes.shape[0])[:, None]], 1
         )
     return joint  # [vocab ** steps], index = t_1 * V^(steps-1) + ...
-
-
-def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit, cells with expected count < 5 pooled into one."""
-    n = counts.sum()
-    expected = probs * n
-    small = expected < 5
-    obs = torch.cat([counts[~small], counts[small].sum()[None]]).double()
-    exp = torch.cat([expected[~small], expected[small].sum()[None]]).double()
-    keep = exp > 0
-    if bool((obs[~keep] > 0).any()):
-        return 0.0  # a sample where the model puts zero probability
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    df = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(stat / 2)))
 
 
 class AcceptAll(SpeculativeSampler):

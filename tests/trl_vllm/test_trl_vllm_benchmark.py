@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.trl_vllm.test_trl_vllm_colocate import free_port_env
+from tests.trl_vllm.ports import free_port_env
 
 pytest.importorskip("vllm")
 pytest.importorskip("trl")

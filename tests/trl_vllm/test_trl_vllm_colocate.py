@@ -9,14 +9,13 @@ quantization of the final policy, layer by layer."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from forkrl.core.testing.group import free_port
+from tests.trl_vllm.ports import free_port_env
 
 pytest.importorskip("vllm")
 pytest.importorskip("trl")
@@ -24,12 +23,6 @@ pytest.importorskip("trl")
 pytestmark = pytest.mark.slow  # TRL's GRPO through a vLLM engine
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port_env() -> dict[str, str]:
-    """This environment with ``MASTER_PORT`` on a free port: TRL's colocated engine joins a one-rank
-    group at ``MASTER_PORT`` (else 29500), and scripts/test.sh runs other suites beside this one."""
-    return {**os.environ, "MASTER_PORT": str(free_port())}
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.openrlhf.test_vllm_cpu_engine import homogeneity_pvalue  # noqa: E402
+from tests.stats import homogeneity_pvalue  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
