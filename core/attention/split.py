@@ -154,6 +154,7 @@ def _self_check(device: torch.device, dtype: torch.dtype, kernels: tuple) -> str
         ("output", out, ref),
         *[(f"gradient {i}", x, y) for i, (x, y) in enumerate(zip(got, want, strict=True))],
     ]:
+        a, w = a.detach(), w.detach()  # the outputs carry autograd: compare values only (float() warns)
         err = float((a.double() - w).norm() / max(float(w.norm()), 1e-12))
         if not err < tol:
             return f"{name} differs from the float64 reference by {err:.2e} (tolerance {tol})"

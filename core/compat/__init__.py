@@ -23,6 +23,7 @@ from .attention import (
     checkpointing_off,
     register_attention,
     set_attention_implementation,
+    set_checkpointing,
     set_experts_implementation,
 )
 from .cache import (
@@ -154,6 +155,7 @@ __all__ = [
     "seed_sliding_layer",
     "seed_state_layer",
     "set_attention_implementation",
+    "set_checkpointing",
     "set_experts_implementation",
     "set_tensor",
     "ssm_step_modules",

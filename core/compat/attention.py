@@ -55,8 +55,17 @@ def _check_checkpointing_flag() -> None:
         vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1
     )
     model = LlamaForCausalLM(cfg)
-    model.gradient_checkpointing_enable()
+    set_checkpointing(model, True)
     assert any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
+def set_checkpointing(model: nn.Module, on: bool) -> None:
+    """transformers' activation checkpointing on or off, by the name the installed version has:
+    ``activation_checkpointing_enable``/``_disable`` from 5.25 on, where the older
+    ``gradient_checkpointing_*`` names warn on every call and are to go in v6; those before."""
+    verb = "enable" if on else "disable"
+    new = getattr(model, f"activation_checkpointing_{verb}", None)
+    (new or getattr(model, f"gradient_checkpointing_{verb}"))()
 
 
 @contextlib.contextmanager

@@ -41,7 +41,6 @@ import gc
 import math
 import statistics
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -50,6 +49,7 @@ from torch import nn
 
 from ..balance.cost import CostModel, PieceStats
 from ..balance.plan import forest_stats
+from ..compat import set_checkpointing
 from ..errors import UnsupportedModelError
 from ..executor import TreeExecutor
 from ..memory import SavedBytes
@@ -480,15 +480,11 @@ def _dense_train(model, seqs, sf, coefs, max_tokens, gradient_checkpointing) -> 
     if not gradient_checkpointing:
         dense_step(model, seqs, sf, coefs, max_tokens, grad=True)
         return
-    with warnings.catch_warnings():  # transformers 5 renamed the API and warns on every call
-        warnings.simplefilter("ignore", FutureWarning)
-        model.gradient_checkpointing_enable()
+    set_checkpointing(model, True)
     try:
         dense_step(model, seqs, sf, coefs, max_tokens, grad=True)
     finally:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            model.gradient_checkpointing_disable()
+        set_checkpointing(model, False)
 
 
 def _per_token(samples: list[tuple[PieceStats, float]]) -> tuple[float, float]:
