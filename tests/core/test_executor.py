@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from forkrl.core import PrefixForest, TreeExecutor, UnsupportedModelError
+from forkrl.core.compat import set_checkpointing
 from forkrl.core.testing import Float64Mode
 from forkrl.core.testing.forests import FORESTS, deep_tree, grpo_group
 from forkrl.core.testing.models import dense_logprobs, grads, max_rel_err
@@ -154,15 +155,15 @@ def test_lora_model():
 
 def test_gradient_checkpointing_is_handled_with_one_log_line(caplog):
     model = make_model("llama-gqa")
-    model.gradient_checkpointing_enable()
+    set_checkpointing(model, True)
     model.train()
     seqs, sf = grpo_group()
     c_lp, c_ent = _coefs(seqs, sf, 8)
     forest = PrefixForest.build(seqs, sf)
     with Float64Mode():
-        model.gradient_checkpointing_disable()
+        set_checkpointing(model, False)
         _, _, g_d = _dense(model, seqs, sf, c_lp, c_ent)
-        model.gradient_checkpointing_enable()
+        set_checkpointing(model, True)
         ex = TreeExecutor(model, mode="keep")
         with caplog.at_level(logging.INFO, logger="forkrl.core.executor"):
             for _ in range(2):
