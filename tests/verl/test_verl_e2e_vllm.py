@@ -31,10 +31,12 @@ def test_the_long_context_tree_and_speculative_run_trains_on_vllm(vllm_inputs, t
     autograd, its cache kept, the responses replayed into it) in the actor, forkrl's int4 drafter in
     veRL's vLLM engine, re-synced by forkrl's vLLM plugin after every weight update veRL sends (its
     shared-memory bucketed transfer, ending in the engine's ``load_weights``). One run for both: the
-    actor's mode and the engine's drafter are independent, and test_verl_e2e.py runs the tree in keep."""
+    actor's mode and the engine's drafter are independent; test_verl_e2e.py runs forkrl_tree (the
+    tree's own replay, veRL's checkpointing being on) on the Hugging Face rollout."""
     replay = "actor_rollout_ref.actor.forkrl.long_context_replay=true"
     log = main_ppo(vllm_inputs, tmp_path, "forkrl_tree_speculative", replay, rollout="vllm")
     logged = check_run(vllm_inputs, tmp_path, log, tree=True)
     assert all(m["data"]["actor/tree/mode"] == 1 for m in logged)  # replay
+    assert "long_context_replay=True" in log  # the actor's config, printed as the plugin starts
     check_vllm_rollouts(logged)
     assert "forkrl_int4_g128" in log  # vLLM's engine config, printed as it starts
