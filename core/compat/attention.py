@@ -61,8 +61,8 @@ def _check_checkpointing_flag() -> None:
 
 def set_checkpointing(model: nn.Module, on: bool) -> None:
     """transformers' activation checkpointing on or off, by the name the installed version has:
-    ``activation_checkpointing_enable``/``_disable`` from 5.25 on, where the older
-    ``gradient_checkpointing_*`` names warn on every call and are to go in v6; those before."""
+    ``activation_checkpointing_enable``/``_disable`` where they exist (5.25 has them, 5.17 not),
+    since the older ``gradient_checkpointing_*`` names then warn on every call and go in v6."""
     verb = "enable" if on else "disable"
     new = getattr(model, f"activation_checkpointing_{verb}", None)
     (new or getattr(model, f"gradient_checkpointing_{verb}"))()
