@@ -21,6 +21,7 @@ from forkrl.core.balance.rules import IMAGES, ROUTER_LOSS, BalanceOption, shared
 from forkrl.core.options import add_arguments
 from forkrl.core.speculative import SpeculativeOptions
 from forkrl.core.train import TreeOptions
+from forkrl.plugins.vllm import check_installs
 from forkrl.plugins.vllm.speculative import check_engine_policy
 
 from ..models import missing_model, no_such_model
@@ -291,3 +292,4 @@ def _check_speculative_args(args: Any, options: ForkrlOptions) -> None:
         calibrates=False,
         fix=" (as flags: --forkrl.speculative_policy always --forkrl.speculative_draft_len K)",
     )
+    check_installs("drop --forkrl.speculative_rollout")

@@ -20,6 +20,7 @@ from trl import RLOOConfig as _TRLRLOOConfig
 
 from forkrl.core.speculative import SpeculativeOptions
 from forkrl.core.train import GroupedRanksOptions, TreeOptions
+from forkrl.plugins.vllm import check_installs
 from forkrl.plugins.vllm.speculative import check_engine_policy
 
 __all__ = ["FORKRL_FIELDS", "ForkrlOptions", "GRPOConfig", "RLOOConfig"]
@@ -74,6 +75,10 @@ class ForkrlOptions(TreeOptions, GroupedRanksOptions, SpeculativeOptions):
                 calibrates=self.vllm_mode == "colocate",
                 fix=" (in server mode the server fixes it: python -m forkrl.plugins.trl.vllm_serve)",
             )
+            if self.vllm_mode == "colocate":  # the engine starts in this process (the server checks its own)
+                check_installs(
+                    "set speculative_rollout=False, or use_vllm=False (forkrl's sampler drafts in transformers)"
+                )
         if getattr(self, "use_transformers_continuous_batching", False):
             raise ValueError(
                 "speculative_rollout replaces transformers' generate; it cannot run inside continuous batching: set "

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 from forkrl.core.options import add_arguments
 from forkrl.core.speculative import SpeculativeOptions
+from forkrl.plugins.vllm import check_installs
 from forkrl.plugins.vllm.speculative import vllm_speculative_config
 
 __all__ = ["PROG", "flag_parser", "main", "server_command"]
@@ -75,6 +76,7 @@ def server_command(argv: Sequence[str]) -> tuple[object, list[str]]:
     script_args, extra = make_parser(prog=PROG).parse_args_and_config(
         args=rest, return_remaining_strings=True
     )
+    check_installs("drop forkrl's flags and run `trl vllm-serve` directly")
     spec = vllm_speculative_config(options, script_args.model, script_args.tensor_parallel_size)
     script_args.speculative_config = json.dumps(spec)
     return script_args, list(extra)

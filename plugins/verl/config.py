@@ -32,6 +32,7 @@ from verl.workers.config import FSDPActorConfig
 from forkrl.core import TreeOptions
 from forkrl.core.balance.rules import shared_by
 from forkrl.core.options import changed_fields
+from forkrl.plugins.vllm import check_installs
 
 from . import announce, register
 from .balance import OPTION, unsafe_reason
@@ -212,6 +213,8 @@ class ForkrlFSDPActorConfig(FSDPActorConfig):
                 "actor_rollout_ref.rollout.name=vllm, or use --config-name forkrl_tree for tree training without "
                 "speculative rollouts"
             )
+        if rollout is not None:
+            check_installs("use --config-name forkrl_tree (tree training without speculative rollouts)")
 
     def _check_tree(self, node: str, options: TreeOptions) -> None:
         if self.strategy != "fsdp2":

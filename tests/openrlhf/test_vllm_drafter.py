@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
+import sys
 import types
 from importlib.metadata import entry_points
 
@@ -302,6 +304,27 @@ def test_mirror_refuses_a_target_of_another_shape(env, tmp_path):
     with pytest.raises(ValueError, match=r"qkv_proj: drafter \(256, 128\), target \(128, 64\)"):
         fv.DrafterMirror(target, drafter)
     assert "load_weights" not in vars(target)  # nothing was wrapped
+
+
+def test_where_the_plugin_cannot_install_it_logs_why_and_the_drafter_is_refused(monkeypatch, caplog):
+    """vLLM calls the plugin bare in every engine of an environment with forkrl installed, speculation
+    or not: where a vLLM release has moved what it needs (here the model runner's module), raising
+    would stop every engine. It logs why instead; the hosts' check refuses forkrl's drafter, naming
+    the vLLM, before any engine starts; with nothing missing it installs again."""
+    monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu_model_runner", None)
+    with caplog.at_level(logging.WARNING, logger=fv.__name__):
+        fv.register()
+    assert "does not install in vLLM 0.29.0 (ModuleNotFoundError: " in caplog.text
+    assert "this engine runs without forkrl's drafter" in caplog.text
+    with pytest.raises(
+        ValueError, match=r"in vLLM 0\.29\.0 \(ModuleNotFoundError: .*checked against vllm 0\.29\.0: .*, or FIX$"
+    ):
+        fv.check_installs("FIX")
+    monkeypatch.undo()
+    fv.check_installs("FIX")
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    assert "forkrl_int8" in QUANTIZATION_METHODS
 
 
 def test_no_mirror_without_a_forkrl_drafter():

@@ -442,6 +442,19 @@ def test_speculative_rollouts_on_another_rollout_are_refused_on_the_driver(name,
         _validate(cfg)
 
 
+def test_speculative_rollouts_are_refused_on_the_driver_where_forkrls_vllm_plugin_cannot_install(
+    model_path, monkeypatch
+):
+    """A vLLM release that moved what forkrl's vLLM plugin needs (here the model runner's module):
+    refused before Ray starts, not by an engine that does not know forkrl's quantization."""
+    cfg = _compose("forkrl_speculative", model_path)
+    monkeypatch.setitem(sys.modules, "vllm.v1.worker.gpu_model_runner", None)
+    with pytest.raises(
+        Exception, match=r"does not install in vLLM 0\.29\.0.*use --config-name forkrl_tree \(tree training"
+    ):
+        _validate(cfg)
+
+
 def test_verls_prefix_grouper_beside_the_tree_passes_validation(model_path):
     """veRL 0.9.1's ``use_prefix_grouper`` does not reach its engine (the contract test
     ``compat._prefix_grouper`` checks that), so it is accepted beside the tree; the update equals
