@@ -69,14 +69,21 @@ def _parse(argv: Sequence[str]) -> tuple[SpeculativeOptions, list[str]]:
 
 
 def server_command(argv: Sequence[str]) -> tuple[object, list[str]]:
-    """TRL's server arguments with forkrl's ``speculative_config`` set, and the flags passed on to vLLM."""
+    """TRL's server arguments with forkrl's ``speculative_config`` set, and the flags passed on to vLLM.
+
+    Raises:
+        SystemExit: a usage error: a bad forkrl flag, or a vLLM forkrl's vLLM plugin does not install in.
+    """
     from trl.scripts.vllm_serve import make_parser
 
     options, rest = _parse(argv)
     script_args, extra = make_parser(prog=PROG).parse_args_and_config(
         args=rest, return_remaining_strings=True
     )
-    check_installs("drop forkrl's flags and run `trl vllm-serve` directly")
+    try:
+        check_installs("drop forkrl's flags and run `trl vllm-serve` directly")
+    except ValueError as err:  # a usage error, as the flags' own
+        raise SystemExit(f"{PROG}: error: {err}") from None
     spec = vllm_speculative_config(options, script_args.model, script_args.tensor_parallel_size)
     script_args.speculative_config = json.dumps(spec)
     return script_args, list(extra)

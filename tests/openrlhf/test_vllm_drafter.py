@@ -317,7 +317,8 @@ def test_where_the_plugin_cannot_install_it_logs_why_and_the_drafter_is_refused(
     assert "does not install in vLLM 0.29.0 (ModuleNotFoundError: " in caplog.text
     assert "this engine runs without forkrl's drafter" in caplog.text
     with pytest.raises(
-        ValueError, match=r"in vLLM 0\.29\.0 \(ModuleNotFoundError: .*checked against vllm 0\.29\.0: .*, or FIX$"
+        ValueError,
+        match=r"in vLLM 0\.29\.0 \(ModuleNotFoundError: .*checked against vllm 0\.29\.0: .*, or FIX$",
     ):
         fv.check_installs("FIX")
     monkeypatch.undo()

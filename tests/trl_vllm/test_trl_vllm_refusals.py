@@ -31,5 +31,7 @@ def test_the_colocated_config_refuses_the_drafter(tmp_path, moved_runner):
 
 
 def test_the_server_refuses_the_drafter(moved_runner):
-    with pytest.raises(ValueError, match=MESSAGE + r".*run `trl vllm-serve` directly"):
+    with pytest.raises(
+        SystemExit, match=r"vllm_serve: error: .*" + MESSAGE + r".*run `trl vllm-serve` directly"
+    ):
         vllm_serve.server_command(["--model", "org/policy", "--forkrl.speculative_draft_len", "4"])
