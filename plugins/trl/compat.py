@@ -33,7 +33,7 @@ __all__ = [
     "unwrap_for_generation",
 ]
 
-CHECKED = "trl 1.16.0, transformers 5.25.0, accelerate 1.15.0"
+CHECKED = "trl 1.16.0, transformers 5.25.0, accelerate 1.16.0"
 
 
 def _trainer_classes(owner: str) -> list[type]:

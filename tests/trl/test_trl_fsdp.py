@@ -1,6 +1,6 @@
 """forkrl's TRL plugin under real FSDP2 (accelerate's fully_shard per decoder layer), 2 gloo ranks.
 
-accelerate 1.15 keeps an FSDP plugin only on accelerator devices; on the CPU it silently falls
+accelerate (1.15, 1.16) keeps an FSDP plugin only on accelerator devices; on the CPU it silently falls
 back to DDP. The test (only the test) keeps the plugin on the CPU by setting accelerate's
 distributed type back to FSDP after its own setup; the model is then really sharded (every
 decoder layer an FSDP2 module with DTensor parameters). The plugin with ``tree_packing=True`` under
