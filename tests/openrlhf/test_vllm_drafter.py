@@ -328,6 +328,37 @@ def test_where_the_plugin_cannot_install_it_logs_why_and_the_drafter_is_refused(
     assert "forkrl_int8" in QUANTIZATION_METHODS
 
 
+def test_a_vllm_whose_runner_lacks_what_the_mirror_reads_is_refused(monkeypatch):
+    """A vLLM where the plugin installs but the runner has no ``get_draft_model`` (as before 0.25) would
+    stop each engine with forkrl's drafter as it loads: the hosts' check refuses the drafter first,
+    naming the private and the vLLMs it works with; with it back the check passes."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    monkeypatch.delattr(GPUModelRunner, "get_draft_model")
+    with pytest.raises(ValueError) as refused:
+        fv.check_installs("FIX")
+    message = str(refused.value)
+    assert (
+        "does not install in vLLM 0.29.0 (GPUModelRunner.load_model / get_model / get_draft_model: "
+        in message
+    )
+    assert message.endswith(f"install a vLLM from {vllm_compat.WORKS_WITH}, or FIX")
+    monkeypatch.undo()
+    fv.check_installs("FIX")
+
+
+def test_a_vllm_before_029_is_refused(monkeypatch):
+    """vLLM 0.24-0.28 (veRL 0.9.1's ``vllm`` extra pins 0.24) cannot build a quantized draft model from a
+    checkpoint without a quantization config: every engine with forkrl's drafter stopped as it loaded.
+    The check refuses them by version, before any engine starts."""
+    monkeypatch.setattr(fv, "installed_vllm_version", lambda: "0.24.0")
+    monkeypatch.setattr(fv, "installed_vllm_release", lambda: (0, 24))
+    with pytest.raises(
+        ValueError, match=r"in vLLM 0\.24\.0 \(forkrl's drafter needs vLLM 0\.29 or later: .*get_quant_config"
+    ):
+        fv.check_installs("FIX")
+
+
 def test_no_mirror_without_a_forkrl_drafter():
     spec = types.SimpleNamespace(method="draft_model", quantization="fp8")
     runner = types.SimpleNamespace(speculative_config=spec, drafter=object())
