@@ -124,10 +124,11 @@ def _install() -> None:
 def check_installs(fix: str) -> None:
     """Refuse forkrl's drafter, before any engine starts, where its vLLM plugin cannot work.
 
-    Runs :func:`register` in this process (what vLLM does in each of its own), then checks the vLLM
-    privates the drafter relies on (:data:`.compat.DRAFTER`, and on vLLM's CPU build
-    :data:`.compat.CPU_WORKER`): a vLLM where the plugin installs but the runner lacks what the
-    mirror reads would otherwise stop each engine as it loads its model. Where vLLM is not installed
+    Runs :func:`register` in this process (what vLLM does in each of its own), refuses a vLLM
+    before :data:`.compat.MINIMUM`, then checks the vLLM privates the drafter relies on
+    (:data:`.compat.DRAFTER`, and on vLLM's CPU build :data:`.compat.CPU_WORKER`): a vLLM where the
+    plugin installs but cannot build or re-sync the drafter would otherwise stop each engine as it
+    loads its model. Where vLLM is not installed
     (a process that only builds the engine's config) there is nothing to check.
 
     Args:

@@ -92,13 +92,13 @@ def vllm_speculative_config(
         "model": model,
         "num_speculative_tokens": opts.draft_len,
         "quantization": quantization_name(opts.speculative_bits, opts.drafter_group_size),
-    }
-    if _probabilistic_drafts():
         # Sampled drafts, accepted by the probability ratio (forkrl's own sampler's rule): vLLM's
         # default drafts the argmax, accepted with the policy's probability of it, which at
         # temperature 1 accepted 0.43-0.64 of a trained policy's drafts where sampled ones accept
-        # 0.92-0.98 (benchmarks/results/speculative_rollout_vllm.md).
-        config["draft_sample_method"] = "probabilistic"
+        # 0.92-0.98 (benchmarks/results/speculative_rollout_vllm.md). Every vLLM forkrl's drafter
+        # starts in takes it (compat.MINIMUM; older ones are refused by check_installs).
+        "draft_sample_method": "probabilistic",
+    }
     if opts.speculative_policy == "auto":
         k = max(entry[2] for entry in schedule)
         if k == 0:
@@ -130,13 +130,6 @@ def installed_vllm_release() -> tuple[int, int] | None:
         return None
     major, minor = re.match(r"(\d+)\.(\d+)", installed).groups()  # type: ignore[union-attr]
     return int(major), int(minor)
-
-
-def _probabilistic_drafts() -> bool:
-    """Whether the installed vLLM takes ``draft_sample_method`` (0.29 and 0.31 do). Where none is
-    installed (a driver that only builds the config) it is assumed to."""
-    release = installed_vllm_release()
-    return release is None or release >= (0, 29)
 
 
 def check_engine_policy(options: SpeculativeOptions, calibrates: bool, fix: str = "") -> None:
