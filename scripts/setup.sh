@@ -32,9 +32,9 @@ say() { echo "setup.sh: $*"; }
 # Installs go through uv where it installs (a pinned release, in .venv-uv): it resolves and unpacks in
 # parallel and links every package from one cache into each environment, so torch is unpacked once for
 # the four, and `setup.sh test` takes a fraction of pip's CPU time (which bounds it: the installs run
-# side by side on few cores). uv reads no pip configuration: pip's own (`pip config`, PIP_* variables)
-# is passed to it (indexes, find-links, constraints, certificates), and uv picks across indexes as
-# pip does (the best match). FORKRL_SETUP_PIP=1, or a machine where uv does not install, uses pip.
+# side by side on few cores). uv reads no pip configuration: scripts/uv_args.py passes pip's on (indexes,
+# find-links, constraints, certificates; the best match across indexes, as pip picks).
+# FORKRL_SETUP_PIP=1, or a machine where uv does not install, uses pip.
 UV_PIN="uv==0.13.10"
 uv=""
 uv_args=()
@@ -48,28 +48,13 @@ setup_uv() {
         fi
     fi
     uv="$tool/bin/uv"
-    # pip's install options as its own parser merges them (config files, then PIP_* variables).
     local line
     while IFS= read -r line; do
         case "$line" in
-            cert=*) export SSL_CERT_FILE="${line#cert=}" ;;
+            SSL_CERT_FILE=*) export SSL_CERT_FILE="${line#SSL_CERT_FILE=}" ;;
             ?*) uv_args+=("$line") ;;
         esac
-    done < <("${PYTHON:-python3}" - <<'PY' 2>/dev/null
-from pip._internal.commands import create_command
-
-options, _ = create_command("install").parse_args([])
-if options.index_url:
-    print("--index-url"); print(options.index_url)
-for flag, values in (("--extra-index-url", options.extra_index_urls), ("--find-links", options.find_links),
-                     ("--constraint", options.constraints)):
-    for value in values or ():
-        print(flag); print(value)
-if options.cert:
-    print(f"cert={options.cert}")
-PY
-)
-    uv_args+=(--index-strategy unsafe-best-match --compile-bytecode)
+    done < <("${PYTHON:-python3}" "$root/scripts/uv_args.py")
 }
 
 # pip_install PYTHON ARGS...: install into PYTHON's environment. Both installers byte-compile what they

@@ -421,7 +421,7 @@ def fixed_micro_batch_count(data) -> int | None:
 
 def micro_batches_of_any_size(engine, data, count: int | None):
     """:func:`micro_batches`, for a rank whose row count the balancer may have changed: ``count``
-    (from :func:`fixed_micro_batch_count` before the change) consecutive chunks of nearly equal
+    (:func:`fixed_micro_batch_count` of the rows before rebalancing) consecutive chunks of nearly equal
     sizes (every rank keeps the micro-batch count it came with: veRL's metrics aggregate per
     micro-batch over the dp ranks; only where the loss does not depend on the grouping,
     :mod:`forkrl.plugins.verl.balance`); ``None``: stock's split."""
