@@ -23,3 +23,8 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.get_closest_marker("timing") is not None:
             item.add_marker(pytest.mark.slow)
+    # scripts/test.sh hands each of two workers a whole file at a time, in collection order
+    # (`-n 2 --dist loadfile`): files with slow tests go first, so that no long file starts last
+    # while the other worker has nothing left. A stable sort: each file's own order is kept.
+    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow_files)
