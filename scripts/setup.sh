@@ -31,9 +31,9 @@ say() { echo "setup.sh: $*"; }
 
 # Installs go through uv where it installs (a pinned release, in .venv-uv): it resolves and unpacks in
 # parallel and links every package from one cache into each environment, so torch is unpacked once for
-# the four, and `setup.sh test` takes a fraction of pip's CPU time (which bounds it: the installs run
-# side by side on few cores). uv reads no pip configuration: scripts/uv_args.py passes pip's on (indexes,
-# find-links, constraints, certificates; the best match across indexes, as pip picks).
+# the four (a clean `setup.sh test` on 2 cores, CPU-bound: 226 s against pip's 328 s). uv reads no pip
+# configuration: scripts/uv_args.py passes pip's on (indexes, find-links, constraints, certificates; the
+# best match across indexes, as pip picks).
 # FORKRL_SETUP_PIP=1, or a machine where uv does not install, uses pip.
 UV_PIN="uv==0.13.10"
 uv=""
@@ -124,7 +124,7 @@ setup_env() {
             return 0
         fi
     fi
-    say "$dir: installing forkrl (pip install -e '$spec' $*)"
+    say "$dir: installing forkrl (editable, '$spec' $*)"
     rm -f "$stamp"
     pip_install "$py" -e "$spec" "$@"
     if ! resolves_here "$py"; then
